@@ -1,0 +1,161 @@
+"""Connections for lock statements, and running one statement on one of them.
+
+Lock statements never share the caller's transaction: each runs in autocommit
+on a connection dblock keeps for itself, so a grant is visible to every other
+client the moment it is made. The hot path talks to the driver directly
+(psycopg 3 with server-side prepared statements, or sqlite3): SQLAlchemy opens
+the connections and knows the dialect, but adds nothing per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+from typing import Any, Sequence
+
+import psycopg
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from .errors import DatabaseUnavailable, DBLockError, SchemaMissing
+
+log = logging.getLogger("dblock.driver")
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+MAX_IDLE = 8
+
+_MISSING_SCHEMA_HINT = "run `dblock migrate` or call Locker.create_schema() first"
+
+
+class _Conn:
+    __slots__ = ("raw", "cursor")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.cursor = raw.cursor()
+
+
+class Driver:
+    """A small LIFO pool of autocommit driver connections, safe across threads and forks."""
+
+    def __init__(self, engine: Engine, where: str, table: str) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self.where = where  # the URL without its password, for messages
+        self.table = table
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    # -- connections -------------------------------------------------------
+    def _connect(self) -> _Conn:
+        try:
+            fairy = self.engine.raw_connection()
+        except SQLAlchemyError as exc:
+            raise DatabaseUnavailable(f"cannot connect to {self.where}: {_first_line(exc)}") from exc
+        # Our own connection from now on: not returned to (or reset by) the
+        # engine's pool, so the caller's pool is not drained by held locks.
+        raw = fairy.driver_connection
+        fairy.detach()
+        if self.dialect == "postgresql":
+            raw.autocommit = True
+        else:
+            raw.isolation_level = None  # autocommit: each statement is its own transaction
+            raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        return _Conn(raw)
+
+    def _get(self) -> _Conn:
+        with self._lock:
+            if self._pid != os.getpid():
+                # A forked child must not talk over its parent's sockets.
+                self._idle = []
+                self._pid = os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def _put(self, conn: _Conn) -> None:
+        with self._lock:
+            if self._pid == os.getpid() and len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        _close(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            mine = self._pid == os.getpid()
+        if mine:
+            for conn in idle:
+                _close(conn)
+
+    # -- statements --------------------------------------------------------
+    def run(self, sql: str, params: dict[str, Any], then: str | None = None) -> tuple[list[Sequence[Any]], list[Sequence[Any]]]:
+        """Run ``sql`` (and, if it returned no row, ``then``) on one connection.
+
+        A connection that breaks mid-statement is thrown away and the statement
+        is sent once more on a fresh one. Every dblock statement is safe to
+        repeat: an acquire retried with the same owner returns the lease it may
+        already have granted (G6), and release and extend compare (name, owner,
+        token), so a second try changes nothing the first did not.
+        """
+        for attempt in (1, 2):
+            conn = self._get()
+            try:
+                rows = self._execute(conn, sql, params)
+                extra = self._execute(conn, then, params) if then is not None and not rows else []
+            except (psycopg.Error, sqlite3.Error) as exc:
+                if _is_broken(conn):
+                    _close(conn)
+                    if attempt == 1:
+                        log.warning("connection to %s broke (%s); retrying once", self.where, _first_line(exc))
+                        continue
+                    raise DatabaseUnavailable(f"lost the connection to {self.where}: {_first_line(exc)}") from exc
+                self._put(conn)
+                raise self._translate(exc) from exc
+            self._put(conn)
+            return rows, extra
+        raise AssertionError("unreachable")
+
+    def _execute(self, conn: _Conn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        cur = conn.cursor
+        if self.dialect == "postgresql":
+            # Prepared once per connection, then one round trip per call.
+            cur.execute(sql, params, prepare=True)
+        else:
+            cur.execute(sql, params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def _translate(self, exc: Exception) -> DBLockError:
+        if isinstance(exc, psycopg.errors.UndefinedTable) or (
+            isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
+        ):
+            return SchemaMissing(f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}")
+        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            return DatabaseUnavailable(
+                f"{self.where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s"
+            )
+        return DBLockError(f"{self.where}: {_first_line(exc)}")
+
+
+def _is_broken(conn: _Conn) -> bool:
+    raw = conn.raw
+    if isinstance(raw, psycopg.Connection):
+        return bool(raw.broken or raw.closed)
+    return False  # sqlite3 connections are in-process: they do not break mid-call
+
+
+def _close(conn: _Conn) -> None:
+    try:
+        conn.raw.close()
+    except Exception:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
+        pass
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

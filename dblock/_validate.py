@@ -1,0 +1,80 @@
+"""Argument checks that run before any SQL (guarantee G7: bad input changes nothing)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+MAX_NAME_LENGTH = 255
+MIN_TTL = 0.001  # 1 ms: below that the database rounds the lease to nothing
+MAX_TTL = 366 * 24 * 3600.0  # a year; longer is almost certainly a unit mistake
+# Identifiers are spliced into SQL (quoted); keep them plain so every backend
+# accepts them and "<table>_token_seq" stays within PostgreSQL's 63 bytes.
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,52}$")
+
+
+def _number(value: object, what: str) -> float:
+    # bool is an int subclass; True as a TTL is a bug, not one second.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    number = float(value)
+    if math.isnan(number):
+        raise ValueError(f"{what} must be a number of seconds, not NaN")
+    return number
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("lock name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(f"lock name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}")
+    if "\x00" in name:
+        raise ValueError("lock name must not contain NUL characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"lock name is not valid Unicode text: {exc.reason}") from None
+    return name
+
+
+def check_ttl(ttl: object) -> float:
+    number = _number(ttl, "ttl")
+    if not MIN_TTL <= number <= MAX_TTL:
+        raise ValueError(f"ttl must be between {MIN_TTL:g} and {MAX_TTL:g} seconds, not {number:g}")
+    return number
+
+
+def check_timeout(timeout: object) -> float:
+    """A wait in seconds: 0 tries once, ``math.inf`` waits for ever."""
+    number = _number(timeout, "timeout")
+    if number < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (math.inf waits for ever), not {number:g}")
+    return number
+
+
+def check_interval(value: object, what: str) -> float:
+    number = _number(value, what)
+    if not 0 < number <= 60:
+        raise ValueError(f"{what} must be between 0 (exclusive) and 60 seconds, not {number:g}")
+    return number
+
+
+def check_token(token: object) -> int:
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"token must be an int, not {type(token).__name__}")
+    if not 1 <= token < 2**63:
+        raise ValueError(f"token must be a positive 64-bit integer, not {token}")
+    return token
+
+
+def check_identifier(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if not _IDENTIFIER.match(value):
+        raise ValueError(
+            f"{what} {value!r} is not a plain SQL identifier: use letters, digits and _, "
+            "starting with a letter or _, at most 53 characters"
+        )
+    return value

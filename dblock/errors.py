@@ -1,0 +1,28 @@
+"""dblock's exceptions: one base, a few leaves, all exported from ``dblock``."""
+
+from __future__ import annotations
+
+
+class DBLockError(Exception):
+    """Base class of every error dblock raises on purpose."""
+
+
+class LockNotAcquired(DBLockError):
+    """A blocking acquire ran out of time while someone else held the lock."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(f"lock {name!r} was not acquired within {timeout:g} s: it is held by another owner")
+        self.name = name
+        self.timeout = timeout
+
+
+class LeaseLost(DBLockError):
+    """The lease was released or taken over by another owner; this holder no longer holds it."""
+
+
+class SchemaMissing(DBLockError):
+    """dblock's table (or its token sequence) does not exist in this database."""
+
+
+class DatabaseUnavailable(DBLockError):
+    """The database could not be reached, or the connection broke and a retry failed too."""

@@ -1,0 +1,86 @@
+"""dblock's tables as SQLAlchemy metadata, and where the embedded default lives.
+
+The migrations in ``migrations/`` create exactly these objects; a drift test
+checks that the migrated database and this module agree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    MetaData,
+    Sequence,
+    String,
+    Table,
+)
+
+DEFAULT_TABLE = "locks"
+OWNER_LENGTH = 32  # 128 random bits as hex
+
+
+def token_sequence_name(table: str) -> str:
+    return f"{table}_token_seq"
+
+
+def version_table_name(table: str) -> str:
+    """dblock's own Alembic version table: never the host app's ``alembic_version``."""
+    return "alembic_version_dblock" if table == DEFAULT_TABLE else f"alembic_version_dblock_{table}"
+
+
+# PostgreSQL keeps times as timestamptz and computes them with now(). SQLite has
+# no time type, so there the columns hold Unix seconds (REAL) computed by SQLite.
+Timestamp = DateTime(timezone=True).with_variant(Float(), "sqlite")
+
+
+def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
+    """The ``locks`` table.
+
+    The row of a name stays when its lease ends (release clears owner and
+    expires_at), so every grant after the first goes through the UPDATE path,
+    where the token is drawn after the row lock is held (DESIGN.md §3).
+    Only ``name`` is indexed on PostgreSQL, so grants and releases are HOT
+    updates. SQLite takes the next token as max(token) + 1 inside its
+    single-writer transaction and needs an index on token for that.
+    """
+    md = metadata if metadata is not None else MetaData()
+    t = Table(
+        table,
+        md,
+        Column("name", String(255), primary_key=True),
+        Column("owner", String(OWNER_LENGTH), nullable=True),
+        Column("token", BigInteger, nullable=False),
+        Column("acquired_at", Timestamp, nullable=False),
+        Column("expires_at", Timestamp, nullable=True),
+        schema=schema,
+    )
+    return t
+
+
+def token_index_name(table: str) -> str:
+    """SQLite only: the index that makes max(token) a lookup, not a scan."""
+    return f"ix_{table}_token"
+
+
+def token_sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> Sequence:
+    """PostgreSQL's token source: one sequence, CACHE 1, NO CYCLE."""
+    return Sequence(token_sequence_name(table), schema=schema, cache=1, cycle=False, start=1)
+
+
+def default_sqlite_path() -> Path:
+    """The embedded default's file: one per user, whatever the working directory.
+
+    ``$DBLOCK_HOME/locks.sqlite3`` when DBLOCK_HOME is set, otherwise the
+    per-user data directory (Linux: ``~/.local/share/dblock/locks.sqlite3``,
+    or under ``$XDG_DATA_HOME``; macOS: ``~/Library/Application Support/dblock``;
+    Windows: ``%LOCALAPPDATA%\\dblock``).
+    """
+    home = os.environ.get("DBLOCK_HOME")
+    base = Path(home) if home else platformdirs.user_data_path("dblock", appauthor=False)
+    return base / "locks.sqlite3"

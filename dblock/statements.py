@@ -1,0 +1,166 @@
+"""The SQL dblock sends, built once per Locker. No connections in here.
+
+Each statement has a contract comment: its binds, the rows it returns and
+what zero rows means. Identifiers are validated plain names, quoted by the
+dialect. Every write is a compare-and-swap on (name, owner, token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Dialect
+
+from .schema import token_sequence_name
+
+
+@dataclass(frozen=True)
+class Statements:
+    dialect: str
+    acquire: str
+    holder: str | None  # SQLite only: PostgreSQL's acquire reports the holder itself
+    release: str
+    extend: str
+    leases: str
+    prune: str
+
+
+def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
+    quote = dialect.identifier_preparer.quote
+    qualified = (quote(schema) + "." if schema else "") + quote(table)
+    if dialect.name == "postgresql":
+        seq = (quote(schema) + "." if schema else "") + quote(token_sequence_name(table))
+        return _postgresql(qualified, seq)
+    if dialect.name == "sqlite":
+        return _sqlite(qualified)
+    raise ValueError(f"dblock has no statements for the {dialect.name} dialect")
+
+
+def _postgresql(t: str, seq: str) -> Statements:
+    ttl = "now() + %(ttl)s * interval '1 second'"
+    # acquire
+    # binds: name, owner (this attempt's random id), ttl (seconds, float)
+    # returns one row (granted, token, expires_at, wait):
+    #   granted: token and database expiry of the lease. If owner already holds
+    #     the row (a retry after a lost reply, G6) the token is kept, not redrawn.
+    #   not granted: wait = seconds until the current lease ends, by the
+    #     database clock (<= 0 or NULL: it just ended; try again soon).
+    # zero rows: the name had no row and a concurrent first acquire created it.
+    # Shape: the conditional UPDATE is the common path; when the lock is held
+    # it matches nothing and writes no WAL (a miss is read-only). nextval() runs
+    # in UPDATE's SET, which PostgreSQL re-evaluates (EvalPlanQual) after it
+    # waited for a competing grant's row lock, so a late grant never writes a
+    # token drawn before an earlier grant's (G2). The INSERT only runs for a name
+    # that has no row yet; ON CONFLICT DO NOTHING makes a racing first insert a miss.
+    acquire = f"""
+WITH cur AS (
+    SELECT expires_at FROM {t} WHERE name = %(name)s
+), upd AS (
+    UPDATE {t} AS l SET
+        token = CASE WHEN l.owner = %(owner)s THEN l.token ELSE nextval('{seq}') END,
+        acquired_at = CASE WHEN l.owner = %(owner)s THEN l.acquired_at ELSE now() END,
+        owner = %(owner)s,
+        expires_at = {ttl}
+    WHERE l.name = %(name)s
+      AND (l.owner IS NULL OR l.expires_at <= now() OR l.owner = %(owner)s)
+    RETURNING l.token, l.expires_at
+), ins AS (
+    INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
+    SELECT %(name)s, %(owner)s, nextval('{seq}'), now(), {ttl}
+    WHERE NOT EXISTS (SELECT FROM cur)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING token, expires_at
+)
+SELECT true AS granted, token, expires_at, NULL::float8 AS wait FROM upd
+UNION ALL SELECT true, token, expires_at, NULL FROM ins
+UNION ALL SELECT false, NULL, NULL, EXTRACT(EPOCH FROM expires_at - now())::float8 FROM cur
+ORDER BY granted DESC
+LIMIT 1"""
+    # release
+    # binds: name, owner, token
+    # returns one row (token) when this call ended the lease: nobody else had
+    #   taken it since, even if its TTL had run out.
+    # zero rows: already released, or taken over by another owner (G3).
+    # The row stays (DESIGN.md §3): only the lease is cleared.
+    release = f"""
+UPDATE {t} SET owner = NULL, expires_at = NULL
+WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+RETURNING token"""
+    # extend
+    # binds: name, owner, token, ttl
+    # returns one row (expires_at): the new expiry, now() + ttl by the database clock.
+    # zero rows: the lease was released or another owner acquired since (G3).
+    extend = f"""
+UPDATE {t} SET expires_at = {ttl}
+WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+RETURNING expires_at"""
+    # leases
+    # binds: none
+    # returns a row per unexpired lease: name, owner, token, acquired_at,
+    #   expires_at, remaining (seconds, database clock). Zero rows: nothing held.
+    leases = f"""
+SELECT name, owner, token, acquired_at, expires_at,
+       EXTRACT(EPOCH FROM expires_at - now())::float8
+FROM {t} WHERE owner IS NOT NULL AND expires_at > now()
+ORDER BY name"""
+    # prune
+    # binds: age (seconds)
+    # deletes rows whose last grant and lease both ended more than age ago;
+    # returns their names. The global sequence keeps tokens growing for a
+    # name that comes back (G2).
+    prune = f"""
+DELETE FROM {t}
+WHERE acquired_at < now() - %(age)s * interval '1 second'
+  AND (owner IS NULL OR expires_at < now() - %(age)s * interval '1 second')
+RETURNING name"""
+    return Statements("postgresql", acquire, None, release, extend, leases, prune)
+
+
+# SQLite's clock as Unix seconds; 'now' is fixed for the whole statement.
+_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+def _sqlite(t: str) -> Statements:
+    # acquire
+    # binds: name, owner, ttl
+    # returns one row (token, expires_at) when granted; zero rows when held
+    #   (then `holder` tells how long the current lease has left).
+    # SQLite runs one writer at a time and this statement takes the write lock
+    # before it reads, so max(token) + 1 is larger than every token granted
+    # before it. prune never deletes the row that holds the maximum, so the
+    # maximum never goes down (G2).
+    acquire = f"""
+INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
+VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_NOW} + :ttl)
+ON CONFLICT (name) DO UPDATE SET
+    token = CASE WHEN owner = excluded.owner THEN token ELSE (SELECT max(token) + 1 FROM {t}) END,
+    acquired_at = CASE WHEN owner = excluded.owner THEN acquired_at ELSE excluded.acquired_at END,
+    owner = excluded.owner,
+    expires_at = excluded.expires_at
+WHERE owner IS NULL OR expires_at <= excluded.acquired_at OR owner = excluded.owner
+RETURNING token, expires_at"""
+    # holder
+    # binds: name
+    # returns one row (wait): seconds until the current lease ends; NULL if free.
+    # zero rows: the name has no row.
+    holder = f"SELECT expires_at - {_NOW} FROM {t} WHERE name = :name"
+    # release, extend, leases, prune: the same contracts as PostgreSQL's above.
+    release = f"""
+UPDATE {t} SET owner = NULL, expires_at = NULL
+WHERE name = :name AND owner = :owner AND token = :token
+RETURNING token"""
+    extend = f"""
+UPDATE {t} SET expires_at = {_NOW} + :ttl
+WHERE name = :name AND owner = :owner AND token = :token
+RETURNING expires_at"""
+    leases = f"""
+SELECT name, owner, token, acquired_at, expires_at, expires_at - {_NOW}
+FROM {t} WHERE owner IS NOT NULL AND expires_at > {_NOW}
+ORDER BY name"""
+    prune = f"""
+DELETE FROM {t}
+WHERE acquired_at < {_NOW} - :age
+  AND (owner IS NULL OR expires_at < {_NOW} - :age)
+  AND token < (SELECT max(token) FROM {t})
+RETURNING name"""
+    return Statements("sqlite", acquire, holder, release, extend, leases, prune)

@@ -1,0 +1,59 @@
+"""Create the locks table and its token sequence.
+
+Revision ID: dblock_0001
+Revises:
+Create Date: 2026-11-21
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import context, op
+
+revision = "dblock_0001"
+down_revision = None
+branch_labels = ("dblock",)
+depends_on = None
+
+
+def _target() -> tuple[str, str | None]:
+    attributes = context.config.attributes
+    return attributes["dblock_table"], attributes["dblock_schema"]
+
+
+def upgrade() -> None:
+    table, schema = _target()
+    postgresql = op.get_bind().dialect.name == "postgresql"
+    # Times: timestamptz on PostgreSQL; Unix seconds on SQLite, which has no time type.
+    timestamp = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite")
+    if postgresql:
+        # One sequence issues every token: CACHE 1 so tokens follow grant order
+        # across connections, NO CYCLE so they never wrap.
+        op.execute(
+            sa.schema.CreateSequence(
+                sa.Sequence(f"{table}_token_seq", schema=schema, start=1, cache=1, cycle=False)
+            )
+        )
+    op.create_table(
+        table,
+        sa.Column("name", sa.String(255), primary_key=True),
+        sa.Column("owner", sa.String(32), nullable=True),
+        sa.Column("token", sa.BigInteger, nullable=False),
+        sa.Column("acquired_at", timestamp, nullable=False),
+        sa.Column("expires_at", timestamp, nullable=True),
+        schema=schema,
+    )
+    if postgresql:
+        qualified = f'"{schema}"."{table}"' if schema else f'"{table}"'
+        sequence = f'"{schema}"."{table}_token_seq"' if schema else f'"{table}_token_seq"'
+        op.execute(f"ALTER SEQUENCE {sequence} OWNED BY {qualified}.token")
+    else:
+        # SQLite draws the next token as max(token) + 1: keep that a lookup.
+        op.create_index(f"ix_{table}_token", table, ["token"], schema=schema)
+
+
+def downgrade() -> None:
+    table, schema = _target()
+    op.drop_table(table, schema=schema)
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute(sa.schema.DropSequence(sa.Sequence(f"{table}_token_seq", schema=schema), if_exists=True))
