@@ -53,7 +53,7 @@ class Driver:
     def _connect(self) -> _Conn:
         try:
             fairy = self.engine.raw_connection()
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, psycopg.Error, sqlite3.Error) as exc:
             raise DatabaseUnavailable(f"cannot connect to {self.where}: {_first_line(exc)}") from exc
         # Our own connection from now on: not returned to (or reset by) the
         # engine's pool, so the caller's pool is not drained by held locks.

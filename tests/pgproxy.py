@@ -1,0 +1,155 @@
+"""A TCP proxy in front of PostgreSQL that counts round trips and can lose a reply.
+
+It reads the frontend protocol: each Sync ('S') or simple Query ('Q') message
+ends one round trip. With ``drop_next_reply()`` armed, the next round trip is
+forwarded to the server, the server's whole reply (up to ReadyForQuery, so the
+statement has committed) is swallowed, and the connection is cut: the client
+sees a dropped connection after its statement took effect.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+_SSL_REQUEST = 80877103
+_GSSENC_REQUEST = 80877104
+
+
+def _upstream_address(url: str) -> tuple[int, object]:
+    u = make_url(url)
+    host = u.query.get("host") or u.host or "localhost"
+    if isinstance(host, tuple):
+        host = host[0]
+    port = u.port or 5432
+    if host.startswith("/"):
+        sockets = sorted(p for p in Path(host).glob(".s.PGSQL.*") if not p.name.endswith(".lock"))
+        path = next((str(p) for p in sockets if p.name == f".s.PGSQL.{port}"), str(sockets[0]) if sockets else "")
+        return socket.AF_UNIX, path
+    return socket.AF_INET, (host, port)
+
+
+class PgProxy:
+    def __init__(self, url: str) -> None:
+        self.upstream_url = url
+        self.family, self.address = _upstream_address(url)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.lock = threading.Lock()
+        self.round_trips = 0
+        self.queries = 0  # simple-protocol Query messages (e.g. BEGIN sent as text)
+        self.connections = 0
+        self.dropped = threading.Event()
+        self._drop_armed = False
+        self._closing = False
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        u = make_url(self.upstream_url)
+        query = {k: v for k, v in u.query.items() if k != "host"}
+        return u.set(host="127.0.0.1", port=self.port, query=query).render_as_string(hide_password=False)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.round_trips = 0
+            self.queries = 0
+
+    def drop_next_reply(self) -> None:
+        with self.lock:
+            self._drop_armed = True
+            self.dropped.clear()
+
+    def close(self) -> None:
+        self._closing = True
+        self.listener.close()
+        for s in list(self._socks):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    # -- plumbing ----------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.socket(self.family, socket.SOCK_STREAM)
+            server.connect(self.address)
+            self._socks += [client, server]
+            with self.lock:
+                self.connections += 1
+            state = {"dropping": False}
+            threading.Thread(target=self._frontend, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._backend, args=(server, client, state), daemon=True).start()
+
+    @staticmethod
+    def _read(sock: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError
+            data += chunk
+        return data
+
+    def _frontend(self, client: socket.socket, server: socket.socket, state: dict) -> None:
+        try:
+            while True:  # startup: answer SSL/GSS requests with 'N' ourselves
+                (length,) = struct.unpack("!I", self._read(client, 4))
+                body = self._read(client, length - 4)
+                code = struct.unpack("!I", body[:4])[0]
+                if code in (_SSL_REQUEST, _GSSENC_REQUEST):
+                    client.sendall(b"N")
+                    continue
+                server.sendall(struct.pack("!I", length) + body)
+                break
+            while True:
+                kind = self._read(client, 1)
+                (length,) = struct.unpack("!I", self._read(client, 4))
+                body = self._read(client, length - 4)
+                if kind in (b"S", b"Q"):
+                    with self.lock:
+                        self.round_trips += 1
+                        if kind == b"Q":
+                            self.queries += 1
+                        if self._drop_armed:
+                            self._drop_armed = False
+                            state["dropping"] = True
+                server.sendall(kind + struct.pack("!I", length) + body)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for s in (client, server):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _backend(self, server: socket.socket, client: socket.socket, state: dict) -> None:
+        try:
+            while True:
+                kind = self._read(server, 1)
+                (length,) = struct.unpack("!I", self._read(server, 4))
+                body = self._read(server, length - 4)
+                if state["dropping"]:
+                    if kind == b"Z":  # the statement is done and committed: cut the line
+                        self.dropped.set()
+                        raise ConnectionError
+                    continue
+                client.sendall(kind + struct.pack("!I", length) + body)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for s in (client, server):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
