@@ -92,8 +92,13 @@ class Driver:
                 _close(conn)
 
     # -- statements --------------------------------------------------------
-    def run(self, sql: str, params: dict[str, Any], then: str | None = None) -> tuple[list[Sequence[Any]], list[Sequence[Any]]]:
+    def run(
+        self, sql: str, params: dict[str, Any], then: str | None = None
+    ) -> tuple[list[Sequence[Any]], list[Sequence[Any]], bool]:
         """Run ``sql`` (and, if it returned no row, ``then``) on one connection.
+
+        Returns both statements' rows, and whether the statement had to be
+        sent twice because the first connection broke.
 
         A connection that breaks mid-statement is thrown away and the statement
         is sent once more on a fresh one. Every dblock statement is safe to
@@ -116,7 +121,7 @@ class Driver:
                 self._put(conn)
                 raise self._translate(exc) from exc
             self._put(conn)
-            return rows, extra
+            return rows, extra, attempt == 2
         raise AssertionError("unreachable")
 
     def _execute(self, conn: _Conn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:

@@ -134,7 +134,7 @@ class Locker:
     def _attempt(self, name: str, owner: str, ttl: float) -> tuple[Lease | None, float | None]:
         self._ensure_schema()
         sent_at = time.monotonic()
-        rows, holder = self._driver.run(self._sql.acquire, {"name": name, "owner": owner, "ttl": ttl}, self._sql.holder)
+        rows, holder, _ = self._driver.run(self._sql.acquire, {"name": name, "owner": owner, "ttl": ttl}, self._sql.holder)
         if self._sql.dialect == "postgresql":
             if not rows:
                 return None, None
@@ -151,7 +151,11 @@ class Locker:
     # -- the holder's verbs (called through Lease) ---------------------------
     def _release(self, lease: Lease) -> bool:
         self._ensure_schema()
-        rows, _ = self._driver.run(self._sql.release, _key(lease))
+        rows, _, retried = self._driver.run(self._sql.release, _key(lease))
+        if not rows and retried:
+            # The first try may have ended the lease before its reply was lost.
+            # Ours ended without a takeover if the row still has our token, free.
+            rows, _, _ = self._driver.run(self._sql.released, _key(lease))
         lease._released = True
         return bool(rows)
 
@@ -159,7 +163,7 @@ class Locker:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
         self._ensure_schema()
         sent_at = time.monotonic()
-        rows, _ = self._driver.run(self._sql.extend, {**_key(lease), "ttl": ttl})
+        rows, _, _ = self._driver.run(self._sql.extend, {**_key(lease), "ttl": ttl})
         if not rows:
             raise LeaseLost(f"lease on {lease.name!r} (token {lease.token}) was released or taken over; not extended")
         lease._extended(_when(rows[0][0]), ttl, sent_at)
@@ -183,7 +187,7 @@ class Locker:
     def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
-        rows, _ = self._driver.run(self._sql.leases, {})
+        rows, _, _ = self._driver.run(self._sql.leases, {})
         return [LeaseInfo(n, o, t, _when(a), _when(e), float(r)) for n, o, t, a, e, r in rows]
 
     def prune(self, older_than: float) -> int:
@@ -193,7 +197,7 @@ class Locker:
         """
         age = check_ttl(older_than)
         self._ensure_schema()
-        rows, _ = self._driver.run(self._sql.prune, {"age": age})
+        rows, _, _ = self._driver.run(self._sql.prune, {"age": age})
         return len(rows)
 
     def close(self) -> None:

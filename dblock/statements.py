@@ -20,6 +20,7 @@ class Statements:
     acquire: str
     holder: str | None  # SQLite only: PostgreSQL's acquire reports the holder itself
     release: str
+    released: str
     extend: str
     leases: str
     prune: str
@@ -86,6 +87,12 @@ LIMIT 1"""
 UPDATE {t} SET owner = NULL, expires_at = NULL
 WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
 RETURNING token"""
+    # released (only after a release whose reply was lost)
+    # binds: name, owner, token
+    # returns one row when the lease with this token ended and nobody took the
+    # name since; zero rows: it was taken over (or the row pruned).
+    released = f"""
+SELECT token FROM {t} WHERE name = %(name)s AND token = %(token)s AND owner IS NULL"""
     # extend
     # binds: name, owner, token, ttl
     # returns one row (expires_at): the new expiry, now() + ttl by the database clock.
@@ -113,11 +120,16 @@ DELETE FROM {t}
 WHERE acquired_at < now() - %(age)s * interval '1 second'
   AND (owner IS NULL OR expires_at < now() - %(age)s * interval '1 second')
 RETURNING name"""
-    return Statements("postgresql", acquire, None, release, extend, leases, prune)
+    return Statements("postgresql", acquire, None, release, released, extend, leases, prune)
 
 
 # SQLite's clock as Unix seconds; 'now' is fixed for the whole statement.
 _NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+# SQLite's 'now' is truncated to whole milliseconds (and the julianday
+# arithmetic adds ~25 us of rounding), so it can read up to ~1 ms behind the
+# real time. Expiries are pushed 2 ms later so that the database's expiry is
+# never earlier than (client's send time + ttl), which the client trusts (G5).
+_EXPIRES = f"({_NOW} + :ttl + 0.002)"
 
 
 def _sqlite(t: str) -> Statements:
@@ -131,7 +143,7 @@ def _sqlite(t: str) -> Statements:
     # maximum never goes down (G2).
     acquire = f"""
 INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
-VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_NOW} + :ttl)
+VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_EXPIRES})
 ON CONFLICT (name) DO UPDATE SET
     token = CASE WHEN owner = excluded.owner THEN token ELSE (SELECT max(token) + 1 FROM {t}) END,
     acquired_at = CASE WHEN owner = excluded.owner THEN acquired_at ELSE excluded.acquired_at END,
@@ -144,13 +156,14 @@ RETURNING token, expires_at"""
     # returns one row (wait): seconds until the current lease ends; NULL if free.
     # zero rows: the name has no row.
     holder = f"SELECT expires_at - {_NOW} FROM {t} WHERE name = :name"
-    # release, extend, leases, prune: the same contracts as PostgreSQL's above.
+    # release, released, extend, leases, prune: the same contracts as PostgreSQL's above.
     release = f"""
 UPDATE {t} SET owner = NULL, expires_at = NULL
 WHERE name = :name AND owner = :owner AND token = :token
 RETURNING token"""
+    released = f"SELECT token FROM {t} WHERE name = :name AND token = :token AND owner IS NULL"
     extend = f"""
-UPDATE {t} SET expires_at = {_NOW} + :ttl
+UPDATE {t} SET expires_at = {_EXPIRES}
 WHERE name = :name AND owner = :owner AND token = :token
 RETURNING expires_at"""
     leases = f"""
@@ -163,4 +176,4 @@ WHERE acquired_at < {_NOW} - :age
   AND (owner IS NULL OR expires_at < {_NOW} - :age)
   AND token < (SELECT max(token) FROM {t})
 RETURNING name"""
-    return Statements("sqlite", acquire, holder, release, extend, leases, prune)
+    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune)

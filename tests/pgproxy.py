@@ -44,6 +44,7 @@ class PgProxy:
         self.queries = 0  # simple-protocol Query messages (e.g. BEGIN sent as text)
         self.connections = 0
         self.dropped = threading.Event()
+        self.dropped_kinds: set[bytes] = set()  # message kinds of the round trip whose reply was lost
         self._drop_armed = False
         self._closing = False
         self._socks: list[socket.socket] = []
@@ -111,10 +112,12 @@ class PgProxy:
                     continue
                 server.sendall(struct.pack("!I", length) + body)
                 break
+            kinds: set[bytes] = set()
             while True:
                 kind = self._read(client, 1)
                 (length,) = struct.unpack("!I", self._read(client, 4))
                 body = self._read(client, length - 4)
+                kinds.add(kind)
                 if kind in (b"S", b"Q"):
                     with self.lock:
                         self.round_trips += 1
@@ -123,6 +126,8 @@ class PgProxy:
                         if self._drop_armed:
                             self._drop_armed = False
                             state["dropping"] = True
+                            self.dropped_kinds = kinds
+                    kinds = set()
                 server.sendall(kind + struct.pack("!I", length) + body)
         except (ConnectionError, OSError):
             pass

@@ -131,7 +131,7 @@ def test_leases_lists_unexpired_with_database_remaining(locker: Locker) -> None:
     infos = locker.leases()
     assert [i.name for i in infos] == ["a", "b"]
     assert infos[0].owner == a.owner and infos[0].token == a.token
-    assert 29 < infos[0].remaining <= 30 and 59 < infos[1].remaining <= 60
+    assert 29 < infos[0].remaining <= 30.01 and 59 < infos[1].remaining <= 60.01
     assert infos[0].expires_at.tzinfo is not None
 
 

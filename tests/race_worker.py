@@ -1,0 +1,58 @@
+"""One process of the G1/G2 race: threads hammering one lock name with tiny TTLs.
+
+Usage: python race_worker.py URL TABLE NAME TTL THREADS START_AT DURATION
+START_AT is a time.monotonic() value (one clock for every process on the
+machine) so all processes start together. Prints one JSON line per grant:
+[token, received_at, trusted_until] in monotonic seconds, where trusted_until
+is when this client stopped relying on the lease: min(sent + ttl, release call).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+
+from dblock import Locker
+
+
+def main() -> None:
+    url, table, name = sys.argv[1:4]
+    ttl, threads, start_at, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+    locker = Locker(url, table=table)
+    grants: list[list[float]] = []
+    guard = threading.Lock()
+
+    def hammer() -> None:
+        rng = random.Random()
+        while time.monotonic() < start_at:
+            time.sleep(0.001)
+        end = start_at + duration
+        while time.monotonic() < end:
+            lease = locker.try_acquire(name, ttl=ttl)
+            if lease is None:
+                time.sleep(rng.random() * 0.002)
+                continue
+            received = time.monotonic()
+            trusted_until = received + lease.remaining()
+            if rng.random() < 0.5:  # sometimes hold past the TTL, sometimes release
+                time.sleep(rng.random() * ttl * 2)
+            if rng.random() < 0.7:
+                trusted_until = min(trusted_until, time.monotonic())
+                lease.release()
+            with guard:
+                grants.append([lease.token, received, trusted_until])
+
+    workers = [threading.Thread(target=hammer) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    locker.close()
+    json.dump(grants, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
