@@ -33,15 +33,28 @@ def _throwaway_postgresql(tmp_path_factory: pytest.TempPathFactory) -> tuple[str
 
 
 @pytest.fixture(scope="session")
-def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A SQLAlchemy URL of a PostgreSQL server the tests may create tables in."""
+def _postgresql(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
     url = os.environ.get("DBLOCK_TEST_URL")
     if url:
-        yield str(make_url(url).set(drivername="postgresql+psycopg"))
+        yield make_url(url).set(drivername="postgresql+psycopg").render_as_string(hide_password=False), None
         return
     url, server = _throwaway_postgresql(tmp_path_factory)
-    yield url
+    yield url, server
     server.cleanup()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def pg_url(_postgresql: tuple[str, object]) -> str:
+    """A SQLAlchemy URL of a PostgreSQL server the tests may create tables in."""
+    return _postgresql[0]
+
+
+@pytest.fixture(scope="session")
+def pg_server(_postgresql: tuple[str, object]) -> object:
+    """The throwaway pgserver, or skip: a server given by DBLOCK_TEST_URL is not ours to restart."""
+    if _postgresql[1] is None:
+        pytest.skip("DBLOCK_TEST_URL points at a server the tests must not restart")
+    return _postgresql[1]
 
 
 def libpq_dsn(url: str) -> str:

@@ -1,0 +1,135 @@
+"""dblock's Alembic migrations: the one source of the schema."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import venv
+from pathlib import Path
+
+import pytest
+from sqlalchemy import BigInteger, DateTime, Float, String, create_engine, inspect
+
+from dblock import Locker, migrate
+from dblock.schema import locks_table, token_index_name, token_sequence_name, version_table_name
+
+from .conftest import Db
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_migrated_table_matches_the_code(db: Db) -> None:
+    """Drift test: the migrated columns are the ones dblock.schema declares."""
+    engine = create_engine(db.url)
+    insp = inspect(engine)
+    reflected = {c["name"]: c for c in insp.get_columns(db.table)}
+    declared = locks_table(db.table)
+    assert list(reflected) == [c.name for c in declared.columns]
+    for column in declared.columns:
+        got = reflected[column.name]
+        assert got["nullable"] == column.nullable, column.name
+        expected = column.type.dialect_impl(engine.dialect)
+        if column.name in ("acquired_at", "expires_at"):
+            wanted = Float if db.backend == "sqlite" else DateTime
+            assert isinstance(got["type"], wanted), (column.name, got["type"])
+            if db.backend == "postgresql":
+                assert got["type"].timezone
+        elif isinstance(expected, String):
+            assert isinstance(got["type"], String) and got["type"].length == expected.length, column.name
+        else:
+            assert isinstance(got["type"], BigInteger), column.name
+    assert insp.get_pk_constraint(db.table)["constrained_columns"] == ["name"]
+    indexes = {i["name"] for i in insp.get_indexes(db.table)}
+    if db.backend == "postgresql":
+        assert indexes == set()  # only the primary key: grants stay HOT updates
+        assert token_sequence_name(db.table) in insp.get_sequence_names()
+        ((cache, cycle),) = db.query(
+            "SELECT cache_size, cycle FROM pg_sequences WHERE sequencename = %s", (token_sequence_name(db.table),)
+        )
+        assert (cache, cycle) == (1, False)
+    else:
+        assert indexes == {token_index_name(db.table)}
+    engine.dispose()
+
+
+def test_create_schema_is_idempotent_and_uses_its_own_version_table(db: Db) -> None:
+    locker = db.locker()
+    locker.create_schema()
+    locker.create_schema()
+    engine = create_engine(db.url)
+    tables = inspect(engine).get_table_names()
+    engine.dispose()
+    assert version_table_name(db.table) in tables
+    assert "alembic_version" not in tables
+
+
+def test_downgrade_then_upgrade(db: Db) -> None:
+    locker = db.locker()
+    locker.try_acquire("x")
+    migrate.downgrade(locker.engine, db.table, None)
+    engine = create_engine(db.url)
+    assert db.table not in inspect(engine).get_table_names()
+    if db.backend == "postgresql":
+        assert token_sequence_name(db.table) not in inspect(engine).get_sequence_names()
+    engine.dispose()
+    locker.create_schema()
+    assert locker.try_acquire("x") is not None
+
+
+def test_racing_create_schema_calls_agree(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'r.db'}"
+    table = "race_" + os.urandom(4).hex()
+    errors: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            Locker(url, table=table).create_schema()
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    locker = Locker(url, table=table)
+    assert locker.try_acquire("x") is not None
+    locker.close()
+    if backend == "postgresql":
+        migrate.downgrade(locker.engine, table, None)
+
+
+def test_offline_sql_shows_the_ddl() -> None:
+    ddl = migrate.sql("postgresql+psycopg://u@h/db", "locks", None)
+    assert "CREATE SEQUENCE" in ddl and "CREATE TABLE locks" in ddl and "alembic_version_dblock" in ddl
+
+
+def test_built_wheel_in_a_fresh_virtualenv(pg: Db, tmp_path: Path) -> None:
+    """The wheel carries the migrations: installed (not editable) it can create its table and lock."""
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
+        check=True,
+    )
+    (wheel,) = dist.glob("dblock-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    python = env_dir / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    script = (
+        "import sys, dblock, dblock.migrate as m\n"
+        "assert 'site-packages' in m.migrations_dir().as_posix(), m.migrations_dir()\n"
+        "locker = dblock.Locker(sys.argv[1], table=sys.argv[2])\n"
+        "locker.create_schema()\n"
+        "lease = locker.try_acquire('from-wheel')\n"
+        "print(lease.token)\n"
+    )
+    out = subprocess.run(
+        [str(python), "-c", script, pg.url, pg.table + "_w"], check=True, capture_output=True, text=True, cwd=tmp_path
+    )
+    assert int(out.stdout) >= 1
+    pg.query(f"DROP TABLE {pg.table}_w, alembic_version_dblock_{pg.table}_w")
+    pg.query(f"DROP SEQUENCE IF EXISTS {pg.table}_w_token_seq")

@@ -1,0 +1,160 @@
+"""What PostgreSQL promises beyond the guarantees: one round trip, read-only misses, autocommit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+
+from dblock import Locker
+
+from .conftest import Db, libpq_dsn
+from .pgproxy import PgProxy
+
+
+@pytest.fixture
+def proxy(pg: Db):
+    p = PgProxy(pg.url)
+    yield p
+    p.close()
+
+
+def test_one_round_trip_per_operation(pg: Db, proxy: PgProxy) -> None:
+    locker = Locker(proxy.url, table=pg.table)
+    warm = locker.try_acquire("warm")  # first use on a connection prepares each statement
+    warm.extend()
+    warm.release()
+    held = locker.try_acquire("held")
+    proxy.reset()
+
+    def trips(call) -> int:
+        before = proxy.round_trips
+        call()
+        return proxy.round_trips - before
+
+    box = {}
+    assert trips(lambda: box.setdefault("lease", locker.try_acquire("x", ttl=30))) == 1
+    assert trips(lambda: box["lease"].extend(ttl=30)) == 1
+    assert trips(lambda: box["lease"].release()) == 1
+    assert trips(lambda: locker.try_acquire("held")) == 1  # a miss, with the holder's expiry
+    assert proxy.queries == 0, "a simple-protocol statement (BEGIN/COMMIT?) was sent"
+    held.release()
+    locker.close()
+
+
+def _wal_bytes(conn: psycopg.Connection, work) -> int:
+    (before,) = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+    work()
+    (delta,) = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (before,)).fetchone()
+    return int(delta)
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: plain upsert"])
+def test_failed_attempts_write_no_wal(pg: Db, variant: str) -> None:
+    """100 misses on a held lock leave the WAL where it was (background noise aside).
+
+    The broken variant, the naive ON CONFLICT DO UPDATE ... WHERE, locks the row
+    on every miss and writes WAL each time: this test tells the two apart.
+    """
+    locker = pg.locker()
+    holder = pg.locker().try_acquire("held", ttl=60)
+    if variant != "dblock":
+        t, seq = pg.table, f"{pg.table}_token_seq"
+        naive = f"""
+        INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
+        VALUES (%(name)s, %(owner)s, nextval('{seq}'), now(), now() + %(ttl)s * interval '1 second')
+        ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, token = nextval('{seq}'),
+            acquired_at = now(), expires_at = EXCLUDED.expires_at
+        WHERE {t}.owner IS NULL OR {t}.expires_at <= now()
+        RETURNING true, token, expires_at, NULL::float8"""
+        locker._sql = dataclasses.replace(locker._sql, acquire=naive)
+    locker.try_acquire("warm")  # connect and prepare outside the measurement
+    with psycopg.connect(libpq_dsn(pg.url), autocommit=True) as conn:
+        written = _wal_bytes(conn, lambda: [locker.try_acquire("held") for _ in range(100)])
+    if variant == "dblock":
+        assert written < 1500, f"100 failed attempts wrote {written} bytes of WAL"
+    else:
+        assert written > 5000, "the naive upsert should have written WAL on every miss"
+    holder.release()
+
+
+def test_grants_are_hot_updates(pg: Db) -> None:
+    """Only the primary key is indexed, so a grant or release never touches an index."""
+    locker = pg.locker()
+    for _ in range(50):
+        locker.try_acquire("hot").release()
+    indexes = pg.query("SELECT indexdef FROM pg_indexes WHERE tablename = %s", (pg.table,))
+    assert len(indexes) == 1 and "(name)" in indexes[0][0]
+
+
+def test_lock_statements_ignore_the_callers_transaction(pg: Db) -> None:
+    """A caller's open transaction neither hides nor rolls back a grant."""
+    engine = create_engine(pg.url)
+    locker = Locker(engine, table=pg.table)
+    with engine.connect() as conn:
+        conn.begin()
+        conn.execute(text("SELECT 1"))
+        lease = locker.try_acquire("tx", ttl=60)
+        # visible to everyone else at once ...
+        assert pg.query(f"SELECT token FROM {pg.table} WHERE name = 'tx'") == [(lease.token,)]
+        # ... and to the caller's own transaction
+        assert conn.execute(text(f"SELECT token FROM {pg.table} WHERE name = 'tx'")).scalar() == lease.token
+        conn.rollback()
+    assert pg.query(f"SELECT owner FROM {pg.table} WHERE name = 'tx'") == [(lease.owner,)]
+    assert lease.release() is True
+    locker.close()
+    engine.dispose()
+
+
+def test_held_locks_do_not_drain_the_callers_pool(pg: Db) -> None:
+    engine = create_engine(pg.url, pool_size=1, max_overflow=0, pool_timeout=2)
+    locker = Locker(engine, table=pg.table)
+    leases = [locker.try_acquire(f"n{i}") for i in range(5)]
+    with engine.connect() as conn:  # the app's only pooled connection is still free
+        assert conn.execute(text("SELECT 1")).scalar() == 1
+    for lease in leases:
+        lease.release()
+    locker.close()
+    engine.dispose()
+
+
+def test_schema_option(pg: Db) -> None:
+    schema = "s_" + pg.table
+    locker = Locker(pg.url, table="locks", schema=schema)
+    locker.create_schema()
+    try:
+        lease = locker.try_acquire("x")
+        assert lease is not None
+        assert pg.query(f"SELECT token FROM {schema}.locks") == [(lease.token,)]
+        assert pg.query(f"SELECT version_num FROM {schema}.alembic_version_dblock")
+    finally:
+        locker.close()
+        pg.query(f"DROP SCHEMA {schema} CASCADE")
+
+
+def test_postgresql_url_without_driver_means_psycopg(pg: Db) -> None:
+    plain = pg.url.replace("postgresql+psycopg://", "postgresql://", 1)
+    locker = Locker(plain, table=pg.table)
+    assert locker.engine.dialect.driver == "psycopg"
+    assert locker.try_acquire("plain") is not None
+    locker.close()
+
+
+def test_tokens_grow_and_leases_survive_a_database_crash(pg: Db, pg_server) -> None:
+    """An immediate (crash) restart of PostgreSQL: granted leases persist, tokens never go back."""
+    from pgserver._commands import pg_ctl
+
+    locker = pg.locker()
+    held = locker.try_acquire("held", ttl=120)
+    for _ in range(5):
+        last = locker.try_acquire("churn")
+        last.release()
+    pg_ctl(["-m", "immediate", "-w", "restart"], pgdata=pg_server.pgdata, user=pg_server.system_user)
+    # The pooled connection died with the server: dblock reconnects and retries.
+    after = locker.try_acquire("churn")
+    assert after is not None and after.token > last.token
+    assert locker.try_acquire("held") is None  # the committed grant survived
+    assert held.release() is True
+    assert locker.try_acquire("held").token > after.token
