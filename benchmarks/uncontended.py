@@ -1,0 +1,95 @@
+"""Uncontended cost of one acquire + release pair on one thread, against baselines in the same run.
+
+    python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7]
+
+With no --url (and no DBLOCK_TEST_URL) it starts a throwaway PostgreSQL with
+pgserver (pip install -e '.[test]'). Rounds interleave the variants so that
+machine noise hits them alike; the table shows the median microseconds per pair
+and the ratio to the hand-written pair, the figure that matters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import statistics
+import tempfile
+import time
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from dblock import Locker
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_URL"))
+    ap.add_argument("--pairs", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    server = None
+    url = args.url
+    if not url:
+        import pgserver
+
+        server = pgserver.get_server(tempfile.mkdtemp(prefix="dblock-bench-"), cleanup_mode="delete")
+        url = server.get_uri()
+    sa_url = make_url(url).set(drivername="postgresql+psycopg")
+    dsn = sa_url.set(drivername="postgresql").render_as_string(hide_password=False)
+    table = "bench_" + secrets.token_hex(4)
+    locker = Locker(sa_url, table=table)
+    locker.create_schema()
+    sql = locker._sql  # the very statements dblock sends, for the hand-written baseline
+    raw = psycopg.connect(dsn, autocommit=True)
+
+    def select1() -> None:
+        raw.execute("SELECT 1").fetchall()
+        raw.execute("SELECT 1").fetchall()
+
+    def hand_written() -> None:
+        owner = secrets.token_hex(16)
+        (_, token, _, _) = raw.execute(sql.acquire, {"name": "hand", "owner": owner, "ttl": 30.0}).fetchone()
+        raw.execute(sql.release, {"name": "hand", "owner": owner, "token": token}).fetchall()
+
+    def advisory() -> None:
+        raw.execute("SELECT pg_advisory_lock(42)").fetchall()
+        raw.execute("SELECT pg_advisory_unlock(42)").fetchall()
+
+    def dblock_pair() -> None:
+        locker.try_acquire("dblock", ttl=30).release()
+
+    variants = {
+        "2 x SELECT 1": select1,
+        "pg_advisory_lock pair (no TTL, no token)": advisory,
+        "hand-written pair, raw psycopg": hand_written,
+        "dblock try_acquire + release": dblock_pair,
+    }
+    for fn in variants.values():  # warm up: connect, prepare
+        for _ in range(20):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for label, fn in variants.items():
+            start = time.perf_counter()
+            for _ in range(args.pairs):
+                fn()
+            samples[label].append((time.perf_counter() - start) / args.pairs * 1e6)
+    base = statistics.median(samples["hand-written pair, raw psycopg"])
+    print(f"uncontended, {args.rounds} rounds x {args.pairs} pairs, PostgreSQL {raw.info.server_version}")
+    print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16}")
+    for label, values in samples.items():
+        med = statistics.median(values)
+        print(f"{label:45} {med:9.1f} {med / base:15.2f}x")
+    raw.close()
+    locker.close()
+    from dblock import migrate
+
+    migrate.downgrade(locker.engine, table, None)
+    if server is not None:
+        server.cleanup()
+
+
+if __name__ == "__main__":
+    main()
