@@ -132,11 +132,7 @@ class PgProxy:
         except (ConnectionError, OSError):
             pass
         finally:
-            for s in (client, server):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shutdown(client, server)
 
     def _backend(self, server: socket.socket, client: socket.socket, state: dict) -> None:
         try:
@@ -153,8 +149,12 @@ class PgProxy:
         except (ConnectionError, OSError):
             pass
         finally:
-            for s in (client, server):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shutdown(client, server)
+
+
+def _shutdown(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
