@@ -57,7 +57,7 @@ class Driver:
             raise DatabaseUnavailable(f"cannot connect to {self.where}: {_first_line(exc)}") from exc
         # Our own connection from now on: not returned to (or reset by) the
         # engine's pool, so the caller's pool is not drained by held locks.
-        raw = fairy.driver_connection
+        raw: Any = fairy.driver_connection
         fairy.detach()
         if self.dialect == "postgresql":
             raw.autocommit = True

@@ -8,7 +8,7 @@ import psycopg
 import pytest
 from sqlalchemy import create_engine, text
 
-from dblock import Locker
+from dblock import Locker, LockNotAcquired
 
 from .conftest import Db, libpq_dsn
 from .pgproxy import PgProxy
@@ -158,3 +158,27 @@ def test_tokens_grow_and_leases_survive_a_database_crash(pg: Db, pg_server) -> N
     assert locker.try_acquire("held") is None  # the committed grant survived
     assert held.release() is True
     assert locker.try_acquire("held").token > after.token
+
+
+def test_waiter_sleeps_until_the_known_expiry_not_the_backoff(pg: Db, proxy: PgProxy) -> None:
+    """With a 60 s backoff, a waiter still takes a lock that expires in 0.2 s, in 2-3 attempts."""
+    pg.locker().try_acquire("exp", ttl=0.2)
+    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60)
+    locker.try_acquire("warm").release()
+    before = proxy.round_trips
+    lease = locker.acquire("exp", timeout=30)
+    assert lease is not None
+    assert proxy.round_trips - before <= 3  # a miss that learns the expiry, then the grant
+    locker.close()
+
+
+def test_timeout_is_honoured_with_a_long_backoff(pg: Db, proxy: PgProxy) -> None:
+    """A 60 s backoff never makes a 0.1 s timeout wait longer: the last attempt is at the deadline."""
+    pg.locker().try_acquire("long", ttl=60)
+    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60)
+    locker.try_acquire("warm").release()
+    before = proxy.round_trips
+    with pytest.raises(LockNotAcquired):
+        locker.acquire("long", timeout=0.1)
+    assert proxy.round_trips - before == 2  # the first attempt and the one at the deadline
+    locker.close()
