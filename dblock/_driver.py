@@ -29,12 +29,17 @@ MAX_IDLE = 8
 _MISSING_SCHEMA_HINT = "run `dblock migrate` or call Locker.create_schema() first"
 
 
+class Busy(DatabaseUnavailable):
+    """SQLite stayed write-locked by another connection for the whole time allowed."""
+
+
 class _Conn:
-    __slots__ = ("raw", "cursor")
+    __slots__ = ("raw", "cursor", "busy_ms")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.cursor = raw.cursor()
+        self.busy_ms = SQLITE_BUSY_TIMEOUT_MS
 
 
 class Driver:
@@ -67,11 +72,13 @@ class Driver:
         return _Conn(raw)
 
     def _get(self) -> _Conn:
+        if self._pid != os.getpid():
+            # A forked child must not talk over its parent's sockets, and must not
+            # wait for a lock some other parent thread held at the fork.
+            self._lock = threading.Lock()
+            self._idle = []
+            self._pid = os.getpid()
         with self._lock:
-            if self._pid != os.getpid():
-                # A forked child must not talk over its parent's sockets.
-                self._idle = []
-                self._pid = os.getpid()
             if self._idle:
                 return self._idle.pop()
         return self._connect()
@@ -93,36 +100,69 @@ class Driver:
 
     # -- statements --------------------------------------------------------
     def run(
-        self, sql: str, params: dict[str, Any], then: str | None = None
+        self,
+        sql: str,
+        params: dict[str, Any],
+        then: str | None = None,
+        *,
+        before: str | None = None,
+        budget: float | None = None,
     ) -> tuple[list[Sequence[Any]], list[Sequence[Any]], bool]:
         """Run ``sql`` (and, if it returned no row, ``then``) on one connection.
 
         Returns both statements' rows, and whether the statement had to be
-        sent twice because the first connection broke.
+        sent twice because the first connection broke. ``before`` runs first,
+        in one transaction with ``sql``. ``budget`` caps, in seconds, how long
+        SQLite may wait for another writer (then ``Busy`` is raised).
 
-        A connection that breaks mid-statement is thrown away and the statement
-        is sent once more on a fresh one. Every dblock statement is safe to
-        repeat: an acquire retried with the same owner returns the lease it may
-        already have granted (G6), and release and extend compare (name, owner,
-        token), so a second try changes nothing the first did not.
+        A connection that breaks mid-statement is thrown away, with the idle
+        ones (after a restart or failover they are all dead), and the statement
+        is sent once more on a new connection. Every dblock statement is safe
+        to repeat: an acquire retried with the same owner returns the lease it
+        may already have granted (G6), and release and extend compare (name,
+        owner, token), so a second try changes nothing the first did not.
         """
         for attempt in (1, 2):
-            conn = self._get()
+            conn = self._get() if attempt == 1 else self._connect()
             try:
-                rows = self._execute(conn, sql, params)
+                if budget is not None and self.dialect == "sqlite":
+                    self._busy_timeout(conn, budget)
+                if before is not None:
+                    with conn.raw.transaction():
+                        self._execute(conn, before, {})
+                        rows = self._execute(conn, sql, params)
+                else:
+                    rows = self._execute(conn, sql, params)
                 extra = self._execute(conn, then, params) if then is not None and not rows else []
             except (psycopg.Error, sqlite3.Error) as exc:
                 if _is_broken(conn):
                     _close(conn)
+                    self._drain()
                     if attempt == 1:
                         log.warning("connection to %s broke (%s); retrying once", self.where, _first_line(exc))
                         continue
                     raise DatabaseUnavailable(f"lost the connection to {self.where}: {_first_line(exc)}") from exc
                 self._put(conn)
-                raise self._translate(exc) from exc
+                raise self._translate(exc, budget) from exc
+            except BaseException:
+                _close(conn)  # interrupted mid-statement: its state is unknown
+                raise
             self._put(conn)
             return rows, extra, attempt == 2
         raise AssertionError("unreachable")
+
+    def _drain(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            _close(conn)
+
+    @staticmethod
+    def _busy_timeout(conn: _Conn, budget: float) -> None:
+        ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, budget * 1000)))
+        if ms != conn.busy_ms:
+            conn.raw.execute(f"PRAGMA busy_timeout = {ms}")
+            conn.busy_ms = ms
 
     def _execute(self, conn: _Conn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         cur = conn.cursor
@@ -133,15 +173,14 @@ class Driver:
             cur.execute(sql, params)
         return cur.fetchall() if cur.description is not None else []
 
-    def _translate(self, exc: Exception) -> DBLockError:
+    def _translate(self, exc: Exception, budget: float | None) -> DBLockError:
         if isinstance(exc, psycopg.errors.UndefinedTable) or (
             isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
         ):
             return SchemaMissing(f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}")
         if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-            return DatabaseUnavailable(
-                f"{self.where} stayed locked by another writer for {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s"
-            )
+            waited = SQLITE_BUSY_TIMEOUT_MS / 1000 if budget is None else min(budget, SQLITE_BUSY_TIMEOUT_MS / 1000)
+            return Busy(f"{self.where} stayed locked by another writer for {waited:g} s")
         return DBLockError(f"{self.where}: {_first_line(exc)}")
 
 

@@ -19,7 +19,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
 from . import migrate, statements
-from ._driver import Driver
+from ._driver import Busy, Driver
 from ._validate import check_identifier, check_interval, check_name, check_timeout, check_ttl
 from .errors import LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
@@ -106,7 +106,10 @@ class Locker:
         deadline = time.monotonic() + timeout
         delay = self.poll_min
         while True:
-            lease, wait = self._attempt(name, owner, ttl)
+            try:
+                lease, wait = self._attempt(name, owner, ttl, budget=deadline - time.monotonic())
+            except Busy:  # SQLite: another writer held the file for all the time we had
+                lease, wait = None, None
             if lease is not None:
                 return lease
             left = deadline - time.monotonic()
@@ -131,10 +134,17 @@ class Locker:
             None if timeout is None else check_timeout(timeout),
         )
 
-    def _attempt(self, name: str, owner: str, ttl: float) -> tuple[Lease | None, float | None]:
+    def _attempt(
+        self, name: str, owner: str, ttl: float, budget: float | None = None
+    ) -> tuple[Lease | None, float | None]:
         self._ensure_schema()
         sent_at = time.monotonic()
-        rows, holder, _ = self._driver.run(self._sql.acquire, {"name": name, "owner": owner, "ttl": ttl}, self._sql.holder)
+        rows, holder, _ = self._driver.run(
+            self._sql.acquire,
+            {"name": name, "owner": owner, "ttl": ttl},
+            self._sql.holder,
+            budget=None if budget is None else max(budget, 0.001),
+        )
         if self._sql.dialect == "postgresql":
             if not rows:
                 return None, None
@@ -197,7 +207,7 @@ class Locker:
         """
         age = check_ttl(older_than)
         self._ensure_schema()
-        rows, _, _ = self._driver.run(self._sql.prune, {"age": age})
+        rows, _, _ = self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock)
         return len(rows)
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ class Statements:
     extend: str
     leases: str
     prune: str
+    prune_lock: str | None  # runs before prune, in its transaction
 
 
 def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
@@ -120,7 +121,13 @@ DELETE FROM {t}
 WHERE acquired_at < now() - %(age)s * interval '1 second'
   AND (owner IS NULL OR expires_at < now() - %(age)s * interval '1 second')
 RETURNING name"""
-    return Statements("postgresql", acquire, None, release, released, extend, leases, prune)
+    # prune_lock: a first insert draws its token before its unique check; were
+    # the row it then collides with pruned meanwhile, it would insert a token
+    # below that row's (G2). SHARE ROW EXCLUSIVE waits for acquires in flight
+    # (they hold ROW EXCLUSIVE from before they draw) and holds new ones off
+    # until the prune commits. Pruning is rare; acquires never wait on each other here.
+    prune_lock = f"LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE"
+    return Statements("postgresql", acquire, None, release, released, extend, leases, prune, prune_lock)
 
 
 # SQLite's clock as Unix seconds; 'now' is fixed for the whole statement.
@@ -176,4 +183,4 @@ WHERE acquired_at < {_NOW} - :age
   AND (owner IS NULL OR expires_at < {_NOW} - :age)
   AND token < (SELECT max(token) FROM {t})
 RETURNING name"""
-    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune)
+    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune, None)

@@ -226,3 +226,20 @@ def test_repr_hides_password() -> None:
     with pytest.raises(DBLockError) as info:
         locker.try_acquire("x")
     assert "s3cret" not in str(info.value)
+
+
+def test_sqlite_acquire_timeout_holds_while_another_writer_has_the_file(db: Db) -> None:
+    """A write transaction held elsewhere blocks SQLite; acquire still gives up at its timeout."""
+    if db.backend != "sqlite":
+        pytest.skip("SQLite's whole-file write lock")
+    locker = db.locker()
+    locker.try_acquire("warm").release()
+    other = db.connect()
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(LockNotAcquired):
+            locker.acquire("x", timeout=0.2)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert locker.acquire("x", timeout=5) is not None

@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 
 from dblock import Locker, LockNotAcquired
 
-from .conftest import Db, libpq_dsn
+from .conftest import Db, libpq_dsn, wait_for
 from .pgproxy import PgProxy
 
 
@@ -182,3 +182,87 @@ def test_timeout_is_honoured_with_a_long_backoff(pg: Db, proxy: PgProxy) -> None
         locker.acquire("long", timeout=0.1)
     assert proxy.round_trips - before == 2  # the first attempt and the one at the deadline
     locker.close()
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: prune without the table lock"])
+def test_g2_prune_cannot_slip_under_a_first_insert(pg: Db, variant: str) -> None:
+    """A first insert draws its token, then stalls; a competing grant and a prune of its
+    row happen meanwhile. The stalled insert must not land a token below the competitor's.
+
+    The stall is a trigger waiting on an advisory lock the test holds. dblock's prune
+    waits for the stalled acquire (table lock); the broken variant deletes the row
+    under it and the late insert writes the smaller token.
+    """
+    import threading
+
+    from .test_guarantees import audited_grants, install_audit, inversions
+
+    t, seq = pg.table, f"{pg.table}_token_seq"
+    install_audit(pg)
+    pg.query(
+        f"""CREATE FUNCTION {t}_stall() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+          IF NEW.owner <> 'A' AND pg_try_advisory_xact_lock(7001) THEN
+            PERFORM pg_advisory_lock_shared(7002);  -- held exclusively by the test
+            PERFORM pg_advisory_unlock_shared(7002);
+          END IF;
+          RETURN NEW;
+        END $$"""
+    )
+    pg.query(f"CREATE TRIGGER {t}_stall_tr BEFORE INSERT ON {t} FOR EACH ROW EXECUTE FUNCTION {t}_stall()")
+    locker = pg.locker()
+    if variant != "dblock":
+        import dataclasses
+
+        locker._sql = dataclasses.replace(locker._sql, prune_lock=None)
+    gate = psycopg.connect(libpq_dsn(pg.url), autocommit=True)
+    gate.execute("SELECT pg_advisory_lock(7002)")
+    watcher = psycopg.connect(libpq_dsn(pg.url), autocommit=True)
+
+    def waiting(kind: str, text_like: str) -> bool:
+        return bool(
+            watcher.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = %s AND query LIKE %s",
+                (kind, text_like),
+            ).fetchall()
+        )
+
+    stalled: list = []
+    b = threading.Thread(target=lambda: stalled.append(locker.try_acquire("fresh", ttl=60)))
+    b.start()
+    wait_for(lambda: waiting("Lock", "%WITH cur%"), what="the first insert to stall after drawing its token")
+    # A competing first grant of the same name, already expired, then a prune.
+    pg.query(
+        f"INSERT INTO {t} (name, owner, token, acquired_at, expires_at)"
+        f" VALUES ('fresh', 'A', nextval('{seq}'), now() - interval '1 hour', now() - interval '1 hour')"
+    )
+    pruned: list = []
+    p = threading.Thread(target=lambda: pruned.append(locker.prune(older_than=60)))
+    p.start()
+    wait_for(lambda: bool(pruned) or waiting("Lock", "%LOCK TABLE%"), what="the prune to finish or wait")
+    gate.execute("SELECT pg_advisory_unlock(7002)")
+    b.join(30)
+    p.join(30)
+    gate.close()
+    watcher.close()
+    grants = audited_grants(pg)
+    if variant == "dblock":
+        assert inversions(grants) == []
+    else:
+        assert inversions(grants), "the broken variant should have inserted a smaller token"
+
+
+def test_retry_survives_every_pooled_connection_dying(pg: Db) -> None:
+    """After a restart or failover all idle connections are dead: the retry must use a new one."""
+    locker = pg.locker()
+    conns = [locker._driver._get() for _ in range(3)]
+    pids = [c.raw.info.backend_pid for c in conns]
+    for c in conns:
+        locker._driver._put(c)
+    pg.query("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
+    wait_for(
+        lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)),
+        what="the backends to exit",
+    )
+    lease = locker.try_acquire("after-restart")
+    assert lease is not None and lease.release() is True
