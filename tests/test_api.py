@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 from datetime import datetime
 
 import pytest
@@ -237,8 +238,11 @@ def test_sqlite_acquire_timeout_holds_while_another_writer_has_the_file(db: Db) 
     other = db.connect()
     other.execute("BEGIN IMMEDIATE")
     try:
+        started = time.monotonic()
         with pytest.raises(LockNotAcquired):
             locker.acquire("x", timeout=0.2)
+        # Not a speed test: without the cap SQLite would block for its 30 s busy timeout.
+        assert time.monotonic() - started < 10
     finally:
         other.execute("ROLLBACK")
         other.close()
