@@ -229,10 +229,9 @@ def test_repr_hides_password() -> None:
     assert "s3cret" not in str(info.value)
 
 
+@pytest.mark.parametrize("backend", ["sqlite"])  # SQLite's whole-file write lock
 def test_sqlite_acquire_timeout_holds_while_another_writer_has_the_file(db: Db) -> None:
     """A write transaction held elsewhere blocks SQLite; acquire still gives up at its timeout."""
-    if db.backend != "sqlite":
-        pytest.skip("SQLite's whole-file write lock")
     locker = db.locker()
     locker.try_acquire("warm").release()
     other = db.connect()
