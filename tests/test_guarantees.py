@@ -348,36 +348,39 @@ BAD_TTLS = [0, -1, float("nan"), float("inf"), 1e12, 0.0001, True, "30"]
 BAD_TIMEOUTS = [-1, -0.001, float("nan"), "5", True]
 
 
+def assert_refused(db: Db, *calls) -> None:
+    """Each call raises TypeError/ValueError and the table is exactly as before."""
+    before = db.rows()
+    for call in calls:
+        with pytest.raises((TypeError, ValueError)):
+            call()
+    assert db.rows() == before
+
+
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
 def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
     locker = db.locker()
     locker.try_acquire("held", ttl=60)
-    before = db.rows()
-    for call in (
+    assert_refused(
+        db,
         lambda: locker.try_acquire(name),
         lambda: locker.acquire(name, timeout=0),
         lambda: locker.lock(name),
-    ):
-        with pytest.raises((TypeError, ValueError)):
-            call()
-    assert db.rows() == before
+    )
 
 
 @pytest.mark.parametrize("ttl", BAD_TTLS, ids=repr)
 def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None:
     locker = db.locker()
     lease = locker.try_acquire("held", ttl=60)
-    before = db.rows()
-    for call in (
+    assert_refused(
+        db,
         lambda: locker.try_acquire("x", ttl=ttl),
         lambda: locker.acquire("x", ttl=ttl, timeout=0),
         lambda: locker.lock("x", ttl=ttl),
         lambda: lease.extend(ttl=ttl),
         lambda: db.locker(ttl=ttl),
-    ):
-        with pytest.raises((TypeError, ValueError)):
-            call()
-    assert db.rows() == before
+    )
     assert 59 < lease.remaining() <= 60
 
 
@@ -385,15 +388,12 @@ def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None
 def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object) -> None:
     locker = db.locker()
     locker.try_acquire("held", ttl=60)
-    before = db.rows()
-    for call in (
+    assert_refused(
+        db,
         lambda: locker.acquire("x", timeout=timeout),
         lambda: locker.lock("x", timeout=timeout),
         lambda: db.locker(timeout=timeout),
-    ):
-        with pytest.raises((TypeError, ValueError)):
-            call()
-    assert db.rows() == before
+    )
 
 
 @pytest.mark.parametrize(
@@ -430,10 +430,7 @@ def test_g7_bad_urls_are_refused_up_front(url: object) -> None:
     ids=repr,
 )
 def test_g7_bad_options_are_refused_up_front(db: Db, options: dict) -> None:
-    before = db.rows()
-    with pytest.raises((TypeError, ValueError)):
-        Locker(db.url, **options)
-    assert db.rows() == before
+    assert_refused(db, lambda: Locker(db.url, **options))
 
 
 def test_g7_unreachable_database_is_a_clear_error() -> None:
