@@ -61,14 +61,6 @@ def check_interval(value: object, what: str) -> float:
     return number
 
 
-def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise TypeError(f"token must be an int, not {type(token).__name__}")
-    if not 1 <= token < 2**63:
-        raise ValueError(f"token must be a positive 64-bit integer, not {token}")
-    return token
-
-
 def check_identifier(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")

@@ -59,14 +59,13 @@ class Locker:
         self.poll_max = check_interval(poll_max, "poll_max")
         if self.poll_max < self.poll_min:
             raise ValueError(f"poll_max ({poll_max:g}) must not be smaller than poll_min ({poll_min:g})")
-        self.engine, self._auto_migrate = _engine(url)
+        self.engine, self._needs_migration = _engine(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = self.engine.url.render_as_string(hide_password=True)
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
         self._driver = Driver(self.engine, where, self.table)
         self._migrated = threading.Lock()
-        self._needs_migration = self._auto_migrate
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:

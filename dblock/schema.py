@@ -16,7 +16,6 @@ from sqlalchemy import (
     DateTime,
     Float,
     MetaData,
-    Sequence,
     String,
     Table,
 )
@@ -66,11 +65,6 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
 def token_index_name(table: str) -> str:
     """SQLite only: the index that makes max(token) a lookup, not a scan."""
     return f"ix_{table}_token"
-
-
-def token_sequence(table: str = DEFAULT_TABLE, schema: str | None = None) -> Sequence:
-    """PostgreSQL's token source: one sequence, CACHE 1, NO CYCLE."""
-    return Sequence(token_sequence_name(table), schema=schema, cache=1, cycle=False, start=1)
 
 
 def default_sqlite_path() -> Path:
