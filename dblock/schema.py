@@ -62,6 +62,27 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
     return t
 
 
+def fences_table_name(table: str) -> str:
+    """The fences table that goes with lock table ``table`` (``fences`` for ``locks``)."""
+    return "fences" if table == DEFAULT_TABLE else f"{table}_fences"
+
+
+def fences_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
+    """``(resource, last_token)``: the newest fencing token each resource has accepted.
+
+    For resources with no ``fence_token`` column of their own; ``dblock.fence``
+    checks and bumps a row inside the caller's transaction.
+    """
+    md = metadata if metadata is not None else MetaData()
+    return Table(
+        fences_table_name(table),
+        md,
+        Column("resource", String(255), primary_key=True),
+        Column("last_token", BigInteger, nullable=False),
+        schema=schema,
+    )
+
+
 def token_index_name(table: str) -> str:
     """SQLite only: the index that makes max(token) a lookup, not a scan."""
     return f"ix_{table}_token"

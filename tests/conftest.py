@@ -109,7 +109,8 @@ class Db:
             locker.close()
         if self.backend == "postgresql":
             self.query(
-                f"DROP TABLE IF EXISTS {self.table}_audit, {self.table}, alembic_version_dblock_{self.table} CASCADE"
+                f"DROP TABLE IF EXISTS {self.table}_audit, {self.table}, {self.table}_fences, "
+                f"alembic_version_dblock_{self.table} CASCADE"
             )
             self.query(f"DROP SEQUENCE IF EXISTS {self.table}_token_seq")
 

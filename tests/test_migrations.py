@@ -13,7 +13,14 @@ import pytest
 from sqlalchemy import BigInteger, DateTime, Float, String, create_engine, inspect
 
 from dblock import Locker, migrate
-from dblock.schema import locks_table, token_index_name, token_sequence_name, version_table_name
+from dblock.schema import (
+    fences_table,
+    fences_table_name,
+    locks_table,
+    token_index_name,
+    token_sequence_name,
+    version_table_name,
+)
 
 from .conftest import Db
 
@@ -54,6 +61,20 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
     engine.dispose()
 
 
+def test_migrated_fences_table_matches_the_code(db: Db) -> None:
+    engine = create_engine(db.url)
+    insp = inspect(engine)
+    declared = fences_table(db.table)
+    assert declared.name == f"{db.table}_fences" == fences_table_name(db.table)
+    reflected = {c["name"]: c for c in insp.get_columns(declared.name)}
+    assert list(reflected) == ["resource", "last_token"]
+    assert isinstance(reflected["resource"]["type"], String) and reflected["resource"]["type"].length == 255
+    assert isinstance(reflected["last_token"]["type"], BigInteger)
+    assert not reflected["last_token"]["nullable"]
+    assert insp.get_pk_constraint(declared.name)["constrained_columns"] == ["resource"]
+    engine.dispose()
+
+
 def test_create_schema_is_idempotent_and_uses_its_own_version_table(db: Db) -> None:
     locker = db.locker()
     locker.create_schema()
@@ -71,6 +92,7 @@ def test_downgrade_then_upgrade(db: Db) -> None:
     migrate.downgrade(locker.engine, db.table, None)
     engine = create_engine(db.url)
     assert db.table not in inspect(engine).get_table_names()
+    assert fences_table_name(db.table) not in inspect(engine).get_table_names()
     if db.backend == "postgresql":
         assert token_sequence_name(db.table) not in inspect(engine).get_sequence_names()
     engine.dispose()
@@ -104,7 +126,8 @@ def test_racing_create_schema_calls_agree(backend: str, request: pytest.FixtureR
 
 def test_offline_sql_shows_the_ddl() -> None:
     ddl = migrate.sql("postgresql+psycopg://u@h/db", "locks", None)
-    assert "CREATE SEQUENCE" in ddl and "CREATE TABLE locks" in ddl and "alembic_version_dblock" in ddl
+    assert "CREATE SEQUENCE" in ddl and "CREATE TABLE locks" in ddl and "CREATE TABLE fences" in ddl
+    assert "alembic_version_dblock" in ddl
 
 
 def test_built_wheel_in_a_fresh_virtualenv(pg: Db, tmp_path: Path) -> None:
@@ -131,5 +154,5 @@ def test_built_wheel_in_a_fresh_virtualenv(pg: Db, tmp_path: Path) -> None:
         [str(python), "-c", script, pg.url, pg.table + "_w"], check=True, capture_output=True, text=True, cwd=tmp_path
     )
     assert int(out.stdout) >= 1
-    pg.query(f"DROP TABLE {pg.table}_w, alembic_version_dblock_{pg.table}_w")
+    pg.query(f"DROP TABLE {pg.table}_w, {pg.table}_w_fences, alembic_version_dblock_{pg.table}_w")
     pg.query(f"DROP SEQUENCE IF EXISTS {pg.table}_w_token_seq")
