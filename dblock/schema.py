@@ -22,6 +22,7 @@ from sqlalchemy import (
 
 DEFAULT_TABLE = "locks"
 OWNER_LENGTH = 32  # 128 random bits as hex
+LABEL_LENGTH = 255  # who holds a lease, for people: "host:pid command"
 
 
 def token_sequence_name(table: str) -> str:
@@ -47,6 +48,8 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
     Only ``name`` is indexed on PostgreSQL, so grants and releases are HOT
     updates. SQLite takes the next token as max(token) + 1 inside its
     single-writer transaction and needs an index on token for that.
+    ``label`` (migration 0003) says who took the latest grant, for operators;
+    no statement compares it.
     """
     md = metadata if metadata is not None else MetaData()
     t = Table(
@@ -57,6 +60,7 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
         Column("token", BigInteger, nullable=False),
         Column("acquired_at", Timestamp, nullable=False),
         Column("expires_at", Timestamp, nullable=True),
+        Column("label", String(LABEL_LENGTH), nullable=True),
         schema=schema,
     )
     return t

@@ -41,7 +41,8 @@ def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
 def _postgresql(t: str, seq: str) -> Statements:
     ttl = "now() + %(ttl)s * interval '1 second'"
     # acquire
-    # binds: name, owner (this attempt's random id), ttl (seconds, float)
+    # binds: name, owner (this attempt's random id), ttl (seconds, float),
+    #   label (who asks, for operators; written with the grant, never compared)
     # returns one row (granted, token, expires_at, wait):
     #   granted: token and database expiry of the lease. If owner already holds
     #     the row (a retry after a lost reply, G6) the token is kept, not redrawn.
@@ -62,13 +63,14 @@ WITH cur AS (
         token = CASE WHEN l.owner = %(owner)s THEN l.token ELSE nextval('{seq}') END,
         acquired_at = CASE WHEN l.owner = %(owner)s THEN l.acquired_at ELSE now() END,
         owner = %(owner)s,
-        expires_at = {ttl}
+        expires_at = {ttl},
+        label = %(label)s
     WHERE l.name = %(name)s
       AND (l.owner IS NULL OR l.expires_at <= now() OR l.owner = %(owner)s)
     RETURNING l.token, l.expires_at
 ), ins AS (
-    INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
-    SELECT %(name)s, %(owner)s, nextval('{seq}'), now(), {ttl}
+    INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
+    SELECT %(name)s, %(owner)s, nextval('{seq}'), now(), {ttl}, %(label)s
     WHERE NOT EXISTS (SELECT FROM cur)
     ON CONFLICT (name) DO NOTHING
     RETURNING token, expires_at
@@ -105,10 +107,11 @@ RETURNING expires_at"""
     # leases
     # binds: none
     # returns a row per unexpired lease: name, owner, token, acquired_at,
-    #   expires_at, remaining (seconds, database clock). Zero rows: nothing held.
+    #   expires_at, remaining (seconds, database clock), label (NULL for a
+    #   grant made before migration 0003). Zero rows: nothing held.
     leases = f"""
 SELECT name, owner, token, acquired_at, expires_at,
-       EXTRACT(EPOCH FROM expires_at - now())::float8
+       EXTRACT(EPOCH FROM expires_at - now())::float8, label
 FROM {t} WHERE owner IS NOT NULL AND expires_at > now()
 ORDER BY name"""
     # prune
@@ -141,7 +144,7 @@ _EXPIRES = f"({_NOW} + :ttl + 0.002)"
 
 def _sqlite(t: str) -> Statements:
     # acquire
-    # binds: name, owner, ttl
+    # binds: name, owner, ttl, label
     # returns one row (token, expires_at) when granted; zero rows when held
     #   (then `holder` tells how long the current lease has left).
     # SQLite runs one writer at a time and this statement takes the write lock
@@ -149,13 +152,14 @@ def _sqlite(t: str) -> Statements:
     # before it. prune never deletes the row that holds the maximum, so the
     # maximum never goes down (G2).
     acquire = f"""
-INSERT INTO {t} (name, owner, token, acquired_at, expires_at)
-VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_EXPIRES})
+INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
+VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_EXPIRES}, :label)
 ON CONFLICT (name) DO UPDATE SET
     token = CASE WHEN owner = excluded.owner THEN token ELSE (SELECT max(token) + 1 FROM {t}) END,
     acquired_at = CASE WHEN owner = excluded.owner THEN acquired_at ELSE excluded.acquired_at END,
     owner = excluded.owner,
-    expires_at = excluded.expires_at
+    expires_at = excluded.expires_at,
+    label = excluded.label
 WHERE owner IS NULL OR expires_at <= excluded.acquired_at OR owner = excluded.owner
 RETURNING token, expires_at"""
     # holder
@@ -174,7 +178,7 @@ UPDATE {t} SET expires_at = {_EXPIRES}
 WHERE name = :name AND owner = :owner AND token = :token
 RETURNING expires_at"""
     leases = f"""
-SELECT name, owner, token, acquired_at, expires_at, expires_at - {_NOW}
+SELECT name, owner, token, acquired_at, expires_at, expires_at - {_NOW}, label
 FROM {t} WHERE owner IS NOT NULL AND expires_at > {_NOW}
 ORDER BY name"""
     prune = f"""

@@ -14,6 +14,7 @@ from sqlalchemy import BigInteger, DateTime, Float, String, create_engine, inspe
 
 from dblock import Locker, migrate
 from dblock.schema import (
+    LABEL_LENGTH,
     fences_table,
     fences_table_name,
     locks_table,
@@ -34,6 +35,8 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
     reflected = {c["name"]: c for c in insp.get_columns(db.table)}
     declared = locks_table(db.table)
     assert list(reflected) == [c.name for c in declared.columns]
+    assert list(reflected) == ["name", "owner", "token", "acquired_at", "expires_at", "label"]
+    assert reflected["label"]["nullable"] and reflected["label"]["type"].length == LABEL_LENGTH == 255
     for column in declared.columns:
         got = reflected[column.name]
         assert got["nullable"] == column.nullable, column.name
@@ -73,6 +76,31 @@ def test_migrated_fences_table_matches_the_code(db: Db) -> None:
     assert not reflected["last_token"]["nullable"]
     assert insp.get_pk_constraint(declared.name)["constrained_columns"] == ["resource"]
     engine.dispose()
+
+
+def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
+    """Upgrading a live 0002 table keeps its leases (label NULL until re-granted); downgrading drops the column."""
+    locker = db.locker(label="worker-7")
+    migrate.downgrade(locker.engine, db.table, None, "dblock_0002")
+    assert "label" not in {c["name"] for c in inspect(locker.engine).get_columns(db.table)}
+    db.query(
+        f"INSERT INTO {db.table} (name, owner, token, acquired_at, expires_at) VALUES "
+        + ("('old', 'o1', 5, now(), now() + interval '1 hour')" if db.backend == "postgresql" else
+           "('old', 'o1', 5, (julianday('now') - 2440587.5) * 86400.0, (julianday('now') - 2440587.5) * 86400.0 + 3600)")
+    )
+    locker.create_schema()
+    ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
+    assert version == "dblock_0003"
+    (old,) = locker.leases()
+    assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
+    lease = locker.try_acquire("new")
+    assert [(i.name, i.label) for i in locker.leases()] == [("new", "worker-7"), ("old", None)]
+    migrate.downgrade(locker.engine, db.table, None, "dblock_0002")
+    assert db.query(f"SELECT name, owner, token FROM {db.table} ORDER BY name") == [
+        ("new", lease.owner, lease.token),
+        ("old", "o1", 5),
+    ]
+    locker.create_schema()
 
 
 def test_create_schema_is_idempotent_and_uses_its_own_version_table(db: Db) -> None:
@@ -127,6 +155,7 @@ def test_racing_create_schema_calls_agree(backend: str, request: pytest.FixtureR
 def test_offline_sql_shows_the_ddl() -> None:
     ddl = migrate.sql("postgresql+psycopg://u@h/db", "locks", None)
     assert "CREATE SEQUENCE" in ddl and "CREATE TABLE locks" in ddl and "CREATE TABLE fences" in ddl
+    assert "ALTER TABLE locks ADD COLUMN label VARCHAR(255)" in ddl
     assert "alembic_version_dblock" in ddl
 
 
