@@ -4,26 +4,33 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import re
 import secrets
+import shlex
+import socket
 import sqlite3
+import sys
 import threading
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Sequence
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from . import migrate, statements
-from ._driver import Busy, Driver
+from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
 from ._validate import check_identifier, check_interval, check_name, check_timeout, check_ttl
 from .errors import LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
-from .schema import DEFAULT_TABLE, default_sqlite_path
+from .renew import OnLost
+from .schema import DEFAULT_TABLE, LABEL_LENGTH, default_sqlite_path
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -38,6 +45,10 @@ class Locker:
     an existing ``Engine``, or None for the embedded default: a per-user SQLite
     file (see ``dblock.schema.default_sqlite_path``) whose table dblock creates
     on first use. Make one Locker per database and share it between threads.
+
+    ``label`` is written next to each lease this Locker grants so that an
+    operator can tell who holds it (``dblock status``); by default
+    ``"host:pid command line"`` of this process.
     """
 
     def __init__(
@@ -50,9 +61,14 @@ class Locker:
         timeout: float = math.inf,
         poll_min: float = 0.01,
         poll_max: float = 0.5,
+        label: str | None = None,
     ) -> None:
         self.table = check_identifier(table, "table")
         self.schema = None if schema is None else check_identifier(schema, "schema")
+        if url is None and self.schema is not None:
+            # Checked before _engine, which creates the embedded default's directory.
+            raise ValueError("schema is not supported on SQLite (the embedded default); leave it None")
+        self.label = None if label is None else _check_label(label)
         self.ttl = check_ttl(ttl)
         self.timeout = check_timeout(timeout)
         self.poll_min = check_interval(poll_min, "poll_min")
@@ -66,15 +82,29 @@ class Locker:
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
         self._driver = Driver(self.engine, where, self.table)
         self._migrated = threading.Lock()
+        self._default_label = ("", -1)  # (label, pid it was made in)
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:
         """Create or upgrade dblock's tables with its migrations (idempotent)."""
         if self.engine.dialect.name == "sqlite":
-            # WAL lets readers and the one writer work at the same time.
-            with self.engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+            self._use_wal()
         migrate.upgrade(self.engine, self.table, self.schema)
+
+    def _use_wal(self) -> None:
+        # WAL lets readers and the one writer work at the same time. Switching
+        # needs an exclusive lock; when another process is migrating the new
+        # file, SQLite reports a deadlock at once instead of waiting, so retry.
+        deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+        while True:
+            try:
+                with self.engine.connect() as conn:
+                    conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+                return
+            except OperationalError as exc:
+                if "locked" not in str(exc.orig) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005 + random.random() * 0.02)
 
     def _ensure_schema(self) -> None:
         if self._needs_migration:
@@ -84,23 +114,48 @@ class Locker:
                     self._needs_migration = False
 
     # -- acquiring ---------------------------------------------------------
-    def try_acquire(self, name: str, *, ttl: float | None = None) -> Lease | None:
-        """One attempt: a Lease, or None if another owner holds ``name``."""
+    def try_acquire(
+        self, name: str, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None
+    ) -> Lease | None:
+        """One attempt: a Lease, or None if another owner holds ``name``.
+
+        ``renew=True`` keeps extending the lease until it is released (see
+        ``Lease.start_renewal``); ``on_lost(lease)`` runs if renewal loses it.
+        """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        _check_renew(renew, on_lost)
         lease, _ = self._attempt(name, secrets.token_hex(16), ttl)
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
         return lease
 
-    def acquire(self, name: str, *, ttl: float | None = None, timeout: float | None = None) -> Lease:
+    def acquire(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Lease:
         """Wait up to ``timeout`` seconds (Locker default: for ever) for ``name``.
 
         Raises LockNotAcquired when the time runs out. Between attempts it sleeps
         a jittered backoff in [d, 2d), d doubling from poll_min to poll_max, and
-        never past the moment the current lease is known to end.
+        never past the moment the current lease is known to end. ``renew`` and
+        ``on_lost`` as in ``try_acquire``.
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
+        _check_renew(renew, on_lost)
+        lease = self._acquire(name, ttl, timeout)
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    def _acquire(self, name: str, ttl: float, timeout: float) -> Lease:
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
         delay = self.poll_min
@@ -123,14 +178,29 @@ class Locker:
             log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
             time.sleep(min(pause, left))
 
-    def lock(self, name: str, *, ttl: float | None = None, timeout: float | None = None) -> _LockContext:
-        """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error)."""
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error).
+
+        With ``renew=True`` the lease is extended while the block runs; check
+        ``lease.lost`` (or pass ``on_lost``) in long blocks.
+        """
         check_name(name)
+        _check_renew(renew, on_lost)
         return _LockContext(
             self,
             name,
             None if ttl is None else check_ttl(ttl),
             None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
         )
 
     def _attempt(
@@ -140,7 +210,7 @@ class Locker:
         sent_at = time.monotonic()
         rows, holder, _ = self._driver.run(
             self._sql.acquire,
-            {"name": name, "owner": owner, "ttl": ttl},
+            {"name": name, "owner": owner, "ttl": ttl, "label": self._label()},
             self._sql.holder,
             budget=None if budget is None else max(budget, 0.001),
         )
@@ -157,15 +227,29 @@ class Locker:
         log.debug("granted %r token=%s", name, token)
         return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at), None
 
+    def _label(self) -> str:
+        if self.label is not None:
+            return self.label
+        label, pid = self._default_label
+        if pid != os.getpid():  # made before a fork: the pid changed
+            label = describe_process(sys.argv)
+            self._default_label = (label, os.getpid())
+        return label
+
     # -- the holder's verbs (called through Lease) ---------------------------
     def _release(self, lease: Lease) -> bool:
         self._ensure_schema()
-        rows, _, retried = self._driver.run(self._sql.release, _key(lease))
+        # Before the statement: a renewal extend that finds the row cleared by
+        # this release must not take it for a loss.
+        lease._released = True
+        return self._end(_key(lease))
+
+    def _end(self, key: dict[str, Any]) -> bool:
+        rows, _, retried = self._driver.run(self._sql.release, key)
         if not rows and retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
-            rows, _, _ = self._driver.run(self._sql.released, _key(lease))
-        lease._released = True
+            rows, _, _ = self._driver.run(self._sql.released, key)
         return bool(rows)
 
     def _extend(self, lease: Lease, ttl: float | None) -> None:
@@ -174,6 +258,8 @@ class Locker:
         sent_at = time.monotonic()
         rows, _, _ = self._driver.run(self._sql.extend, {**_key(lease), "ttl": ttl})
         if not rows:
+            if not lease._released:
+                lease._lose()
             raise LeaseLost(f"lease on {lease.name!r} (token {lease.token}) was released or taken over; not extended")
         lease._extended(_when(rows[0][0]), ttl, sent_at)
 
@@ -197,7 +283,23 @@ class Locker:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
         rows, _, _ = self._driver.run(self._sql.leases, {})
-        return [LeaseInfo(n, o, t, _when(a), _when(e), float(r)) for n, o, t, a, e, r in rows]
+        return [LeaseInfo(n, o, t, _when(a), _when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+
+    def force_release(self, lease: LeaseInfo) -> bool:
+        """End someone else's lease, as an operator: ``lease`` is a row of ``leases()``.
+
+        Compares (name, owner, token) like ``Lease.release``, so it ends exactly
+        the lease you looked at: False if that one already ended or was replaced.
+        Its holder finds out at its next extend (``LeaseLost``, or ``lease.lost``
+        with renewal); until then it may still be working, so fence your writes.
+        """
+        if not isinstance(lease, LeaseInfo):
+            raise TypeError(f"force_release takes a LeaseInfo from Locker.leases(), not {type(lease).__name__}")
+        check_name(lease.name)
+        self._ensure_schema()
+        ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token})
+        release_log.warning("forced the release of %r (token %s, label %r): %s", lease.name, lease.token, lease.label, ended)
+        return ended
 
     def prune(self, older_than: float) -> int:
         """Delete rows of names nobody held for ``older_than`` seconds; returns how many.
@@ -224,14 +326,25 @@ class Locker:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_lease")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease")
 
-    def __init__(self, locker: Locker, name: str, ttl: float | None, timeout: float | None) -> None:
+    def __init__(
+        self,
+        locker: Locker,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: OnLost | None,
+    ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
+        self._renew, self._on_lost = renew, on_lost
         self._lease: Lease | None = None
 
     def __enter__(self) -> Lease:
-        self._lease = self._locker.acquire(self._name, ttl=self._ttl, timeout=self._timeout)
+        self._lease = self._locker.acquire(
+            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+        )
         return self._lease
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -242,6 +355,45 @@ class _LockContext:
 
 def _key(lease: Lease) -> dict[str, Any]:
     return {"name": lease.name, "owner": lease.owner, "token": lease.token}
+
+
+def _check_renew(renew: object, on_lost: object) -> None:
+    if not isinstance(renew, bool):
+        raise TypeError(f"renew must be True or False, not {type(renew).__name__}")
+    if on_lost is not None:
+        if not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
+        if not renew:
+            raise ValueError("on_lost is called by renewal: pass renew=True with it")
+
+
+def _check_label(label: object) -> str:
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, not {type(label).__name__}")
+    if not label or len(label) > LABEL_LENGTH:
+        raise ValueError(f"label must be 1 to {LABEL_LENGTH} characters long, not {len(label)}")
+    if "\x00" in label:
+        raise ValueError("label must not contain NUL characters")
+    try:
+        label.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"label is not valid Unicode text: {exc.reason}") from None
+    return label
+
+
+# scheme://user:password@ -> scheme://user:***@ (a command line may carry a database URL)
+_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s/@]*@")
+
+
+def describe_process(command: Sequence[str]) -> str:
+    """A lease label: ``"host:pid command line"``, URL passwords masked, cut to fit the column."""
+    words = [str(w).replace("\x00", "") for w in command if w is not None]
+    if words:
+        words[0] = Path(words[0]).name or words[0]
+    line = shlex.join(words) if words else "python"
+    label = _URL_PASSWORD.sub(r"\1***@", f"{socket.gethostname()}:{os.getpid()} {line}")
+    label = label.encode("utf-8", "replace").decode("utf-8")
+    return label if len(label) <= LABEL_LENGTH else label[: LABEL_LENGTH - 3] + "..."
 
 
 def _when(value: Any) -> datetime:
