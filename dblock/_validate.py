@@ -70,3 +70,15 @@ def check_identifier(value: object, what: str) -> str:
             "starting with a letter or _, at most 53 characters"
         )
     return value
+
+
+MAX_TOKEN = 2**63 - 1  # BIGINT
+
+
+def check_token(token: object) -> int:
+    """A fencing token: what a grant returned, a positive 64-bit integer."""
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise TypeError(f"token must be an int (a Lease's token), not {type(token).__name__}")
+    if not 1 <= token <= MAX_TOKEN:
+        raise ValueError(f"token must be between 1 and {MAX_TOKEN}, not {token}")
+    return token

@@ -20,6 +20,20 @@ class LeaseLost(DBLockError):
     """The lease was released or taken over by another owner; this holder no longer holds it."""
 
 
+class FencedOut(DBLockError):
+    """A fenced write was refused: a newer lease already wrote the resource. Nothing was written.
+
+    ``token`` is the refused token, ``resource`` names what refused it (a table,
+    a fences-table resource), and ``newer`` is the token that won, when known.
+    """
+
+    def __init__(self, message: str, *, token: int, resource: str, newer: int | None = None) -> None:
+        super().__init__(message)
+        self.token = token
+        self.resource = resource
+        self.newer = newer
+
+
 class SchemaMissing(DBLockError):
     """dblock's table (or its token sequence) does not exist in this database."""
 

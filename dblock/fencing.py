@@ -1,0 +1,330 @@
+"""Fenced writes: the guarded resource refuses a token older than the newest it accepted (G4).
+
+Everything here runs on the *caller's* connection or Session, inside the
+caller's transaction, so the fence and the protected write commit or roll back
+together. Three tools, from the cheapest:
+
+- ``fenced_update`` / ``fenced_upsert``: the guarded table has a token column
+  (``fence_token BIGINT NOT NULL DEFAULT 0``); the check and the write are one
+  statement.
+- ``fence``: a row of dblock's fences table guards a resource that has no
+  column to spare; checked and bumped in the caller's transaction.
+- ``check_lease`` / ``commit_guard``: fail closed at commit time. The lease
+  itself must still be the live one, and stays so until the commit.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Union
+
+import psycopg
+from sqlalchemy import Column, Table, event, inspect, select, text
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import Connection, Dialect, Result
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import Update
+
+from ._validate import check_identifier, check_name, check_token
+from .errors import FencedOut, LeaseLost, SchemaMissing
+from .lease import Lease
+from .schema import DEFAULT_TABLE, fences_table
+from .statements import _NOW
+
+Target = Union[Connection, Session]
+TokenLike = Union[Lease, int]
+DEFAULT_COLUMN = "fence_token"
+
+
+def token_of(lease: TokenLike) -> int:
+    """The fencing token of a Lease, or a token passed as an int (e.g. ``$DBLOCK_TOKEN``)."""
+    return lease.token if isinstance(lease, Lease) else check_token(lease)
+
+
+# -- a token column on the guarded table ----------------------------------------
+def fenced(stmt: Update, lease: TokenLike, *, column: str = DEFAULT_COLUMN, strict: bool = False) -> Update:
+    """``stmt`` with the fence added: ``AND <column> <= :token`` and ``SET <column> = :token``.
+
+    With ``strict=True`` the predicate is ``<`` (``WHERE token > last_token``):
+    each grant may write a row once. Works on Core ``update(table)`` and on
+    ORM ``update(Model)``. Execute it with ``fenced_update`` to learn about a
+    refusal, or yourself and read ``rowcount``.
+    """
+    token = token_of(lease)
+    col = _token_column(stmt, column)
+    return stmt.where(col < token if strict else col <= token).values({col: token})
+
+
+def fenced_update(
+    conn: Target, stmt: Update, lease: TokenLike, *, column: str = DEFAULT_COLUMN, strict: bool = False
+) -> Result[Any]:
+    """Run ``fenced(stmt, lease)`` in the caller's transaction; raise FencedOut if the fence refused it.
+
+    One statement when it writes. When it wrote nothing, one more SELECT tells
+    a refusal (a row your WHERE matches carries a newer token: FencedOut) from
+    no rows at all (returned as is, rowcount 0: not a fence failure). With
+    ``.returning(...)`` the result holds the returned rows (already fetched).
+    """
+    token = token_of(lease)
+    col = _token_column(stmt, column)
+    result: Result[Any] = conn.execute(fenced(stmt, token, column=column, strict=strict))
+    if stmt._returning:
+        # SQLite reports no rowcount for UPDATE ... RETURNING: count the rows.
+        frozen = result.freeze()
+        written = len(frozen.data)
+        result = frozen()
+    else:
+        written = result.rowcount  # type: ignore[attr-defined]
+    if written == 0:
+        # Under READ COMMITTED this is a new snapshot: it sees the newer write
+        # that made the UPDATE skip a row it had waited for.
+        newer = col >= token if strict else col > token
+        query = select(col).where(newer).order_by(col.desc()).limit(1)
+        if stmt.whereclause is not None:
+            query = query.where(stmt.whereclause)
+        winner = conn.execute(query).scalar()
+        if winner is not None:
+            raise _refused(token, f"table {col.table.name!r}", winner, strict)
+    return result
+
+
+def fenced_upsert(
+    conn: Target,
+    table: Any,
+    values: Mapping[str, Any],
+    lease: TokenLike,
+    *,
+    index_elements: list[str] | None = None,
+    column: str = DEFAULT_COLUMN,
+    strict: bool = False,
+) -> None:
+    """Insert a row, or update it if the fence lets this token through (one statement).
+
+    ``INSERT ... ON CONFLICT (index_elements) DO UPDATE SET ... WHERE <column> <= :token``;
+    a new row is stamped with the token. ``table`` is a Table or a mapped class,
+    ``values`` one row by column name, ``index_elements`` the conflict target
+    (default: the primary key). Raises FencedOut when the row exists with a
+    newer token; nothing is written then.
+    """
+    token = token_of(lease)
+    t = _table(table)
+    if column not in t.c:
+        raise ValueError(f"table {t.name!r} has no {column!r} column to fence with (see dblock.orm.Fenced)")
+    if not isinstance(values, Mapping) or not values:
+        raise ValueError("values must be a non-empty mapping of column name to value")
+    unknown = [k for k in values if k not in t.c]
+    if unknown:
+        raise ValueError(f"table {t.name!r} has no column {unknown[0]!r}")
+    if column in values:
+        raise ValueError(f"do not set {column!r} yourself: the fence stamps it with the lease's token")
+    keys = list(index_elements) if index_elements is not None else [c.name for c in t.primary_key.columns]
+    if not keys or any(k not in t.c for k in keys):
+        raise ValueError(f"index_elements must name columns of {t.name!r} with a unique index, not {keys!r}")
+    insert = _insert_for(_dialect(conn))
+    stmt = insert(t).values({**values, column: token})
+    fence_col = t.c[column]
+    update = {k: stmt.excluded[k] for k in [*values, column] if k not in keys}
+    stmt = stmt.on_conflict_do_update(
+        index_elements=keys,
+        set_=update,
+        where=(fence_col < token) if strict else (fence_col <= token),
+    ).returning(fence_col)
+    if conn.execute(stmt).first() is None:  # the row exists and DO UPDATE's WHERE refused this token
+        raise _refused(token, f"table {t.name!r}", None, strict)
+
+
+# -- the fences table -----------------------------------------------------------
+def fence(
+    conn: Target,
+    lease: TokenLike,
+    resource: str | None = None,
+    *,
+    strict: bool = False,
+    table: str | None = None,
+    schema: str | None = None,
+) -> None:
+    """Check and bump the fence of ``resource`` (default: the lease's name) in the caller's transaction.
+
+    Raises FencedOut if the resource already accepted a newer token (``strict``:
+    this token or a newer one). Otherwise records the token; the row stays
+    locked until the transaction ends, so the caller's other writes in that
+    transaction commit only together with a passed fence. ``table``/``schema``
+    name dblock's lock table (default: the lease's Locker's; ``locks``).
+    """
+    token = token_of(lease)
+    if resource is None:
+        if not isinstance(lease, Lease):
+            raise TypeError("pass resource= when fencing with a bare token")
+        resource = lease.name
+    check_name(resource)
+    if table is None:
+        table = lease._locker.table if isinstance(lease, Lease) else DEFAULT_TABLE
+    if schema is None and isinstance(lease, Lease):
+        schema = lease._locker.schema
+    t = fences_table(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
+    insert = _insert_for(_dialect(conn))
+    stmt = insert(t).values(resource=resource, last_token=token)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["resource"],
+        set_={"last_token": stmt.excluded.last_token},
+        where=(t.c.last_token < token) if strict else (t.c.last_token <= token),
+    ).returning(t.c.last_token)
+    with _schema_hint(t.name):
+        passed = conn.execute(stmt).first()
+    if passed is None:
+        winner = conn.execute(select(t.c.last_token).where(t.c.resource == resource)).scalar()
+        raise _refused(token, f"resource {resource!r}", winner, strict)
+
+
+# -- commit-time lease check (fail closed) ----------------------------------------
+def check_lease(conn: Target, lease: Lease) -> None:
+    """In the caller's transaction: raise LeaseLost unless ``lease`` is the live lease now (database time).
+
+    On success the lease cannot be taken over until this transaction ends: the
+    lock row is held ``FOR SHARE`` on PostgreSQL; on SQLite the check is a
+    write, so the transaction holds the database's write lock. Call it as the
+    last statement before commit, or use ``commit_guard``. Do not release or
+    extend the lease from the same thread before that commit: both wait for it.
+    """
+    if not isinstance(lease, Lease):
+        raise TypeError(f"check_lease needs a Lease, not {type(lease).__name__}")
+    dialect = _dialect(conn)
+    quote = dialect.identifier_preparer.quote
+    locker = lease._locker
+    sql = _lease_check_sql(dialect.name, (quote(locker.schema) + "." if locker.schema else "") + quote(locker.table))
+    with _schema_hint(locker.table):
+        row = conn.execute(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token}).first()
+    if row is None:
+        raise LeaseLost(
+            f"lease on {lease.name!r} (token {lease.token}) is no longer the live lease: "
+            "it expired, was released, or another owner took it; roll back"
+        )
+
+
+def _lease_check_sql(dialect: str, t: str) -> str:
+    if dialect == "postgresql":
+        # binds: name, owner, token. One row: the lease is live and now locked
+        # against a takeover (an acquire's UPDATE waits) until this transaction
+        # ends. Zero rows: expired, released or taken over. clock_timestamp(),
+        # not now(): now() is the time the transaction began.
+        return (
+            f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token"
+            " AND expires_at > clock_timestamp() FOR SHARE"
+        )
+    # SQLite, the same contract: a no-op UPDATE takes the database's write lock,
+    # so no acquire can write (take over) before this transaction ends.
+    return (
+        f"UPDATE {t} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
+        f" AND expires_at > {_NOW} RETURNING token"
+    )
+
+
+@contextmanager
+def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
+    """``with commit_guard(session_or_conn, lease):`` commits at the end only if the lease is still live.
+
+    On a clean exit it flushes (a Session), runs ``check_lease`` and commits;
+    on any error, LeaseLost included, it rolls back. Inside the block, a
+    Session's own ``session.commit()`` is checked the same way.
+    """
+    if not isinstance(lease, Lease):
+        raise TypeError(f"commit_guard needs a Lease, not {type(lease).__name__}")
+    if not isinstance(conn, (Connection, Session)):
+        raise TypeError(f"commit_guard needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
+
+    def before_commit(session: Session) -> None:
+        session.flush()  # the fence must be the last thing before COMMIT
+        check_lease(session, lease)
+
+    if isinstance(conn, Session):
+        event.listen(conn, "before_commit", before_commit)
+    try:
+        yield conn
+        if isinstance(conn, Session):
+            conn.commit()  # runs before_commit
+        else:
+            check_lease(conn, lease)
+            conn.commit()
+    except BaseException:
+        conn.rollback()
+        raise
+    finally:
+        if isinstance(conn, Session):
+            event.remove(conn, "before_commit", before_commit)
+
+
+# -- helpers --------------------------------------------------------------------
+def _dialect(conn: Target) -> Dialect:
+    if isinstance(conn, Session):
+        return conn.get_bind().dialect
+    if isinstance(conn, Connection):
+        return conn.dialect
+    raise TypeError(f"expected a SQLAlchemy Connection or Session, not {type(conn).__name__}")
+
+
+def _insert_for(dialect: Dialect) -> Any:
+    if dialect.name == "postgresql":
+        return pg_dialect.insert
+    if dialect.name == "sqlite":
+        return sqlite_dialect.insert
+    raise ValueError(f"dblock's fenced upserts support PostgreSQL and SQLite, not {dialect.name}")
+
+
+def _table(table: Any) -> Table:
+    if isinstance(table, Table):
+        return table
+    try:
+        found = inspect(table).local_table  # a mapped class
+    except Exception:  # noqa: BLE001 - any failure means "not a table"
+        found = None
+    if not isinstance(found, Table):
+        raise TypeError(f"expected a Table or a mapped class, not {table!r}")
+    return found
+
+
+def _token_column(stmt: Update, column: str) -> Column[Any]:
+    if not isinstance(stmt, Update):
+        raise TypeError(f"expected an update() statement, not {type(stmt).__name__}")
+    table = stmt.table
+    columns = getattr(table, "c", None)
+    if columns is None or column not in columns:
+        name = getattr(table, "name", table)
+        raise ValueError(f"table {name!r} has no {column!r} column to fence with (see dblock.orm.Fenced)")
+    col: Column[Any] = columns[column]
+    if any(getattr(k, "key", k) == column for k in (stmt._values or {})):
+        raise ValueError(f"do not set {column!r} yourself: the fence stamps it with the lease's token")
+    return col
+
+
+def _refused(token: int, what: str, winner: int | None, strict: bool) -> FencedOut:
+    if winner is None:
+        accepted = "this token or a newer one (strict: one write per grant)" if strict else "a newer token"
+    elif winner == token:
+        accepted = f"token {winner} once already (strict: one write per grant)"
+    else:
+        accepted = f"newer token {winner}"
+    return FencedOut(
+        f"fenced out: {what} already accepted {accepted}, so token {token} may not write; "
+        "nothing was written (if your lease expired, another holder has taken over)",
+        token=token,
+        resource=what,
+        newer=winner,
+    )
+
+
+@contextmanager
+def _schema_hint(table: str) -> Iterator[None]:
+    try:
+        yield
+    except DBAPIError as exc:
+        orig = exc.orig
+        if isinstance(orig, psycopg.errors.UndefinedTable) or (
+            isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+        ):
+            raise SchemaMissing(
+                f"dblock's table {table!r} is missing: run `dblock migrate` or call Locker.create_schema()"
+            ) from exc
+        raise

@@ -1,0 +1,432 @@
+"""G4, fenced writes: a stale holder's write changes nothing and raises FencedOut.
+
+Real databases, real pauses: a thread that sleeps past its TTL, a process
+stopped with SIGSTOP, and a multi-process stress run audited by a trigger.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from sqlalchemy import create_engine, event, insert, update
+from sqlalchemy.dialects import postgresql
+
+import dblock
+from dblock import FencedOut, LeaseLost, Locker, fence, fenced, fenced_update, fenced_upsert
+from dblock.schema import fences_table_name
+
+from .conftest import Db, wait_for
+from .fence_worker import counter_table
+
+WORKER = str(Path(__file__).with_name("fence_worker.py"))
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Counter:
+    """A guarded table (id, n, owner, fence_token) whose trigger logs every accepted token in order."""
+
+    def __init__(self, db: Db) -> None:
+        self.db = db
+        self.name = db.table + "_counter"
+        self.history = db.table + "_hist"
+        self.table = counter_table(self.name)
+        self.engine = create_engine(db.url)
+        self.statements: list[str] = []
+        event.listen(self.engine, "before_cursor_execute", self._count)
+        if db.backend == "postgresql":
+            db.query(
+                f"CREATE TABLE {self.name} (id int PRIMARY KEY, n int NOT NULL, owner int NOT NULL,"
+                " fence_token bigint NOT NULL DEFAULT 0)"
+            )
+            db.query(f"CREATE TABLE {self.history} (seq bigserial PRIMARY KEY, token bigint NOT NULL)")
+            db.query(
+                f"CREATE FUNCTION {self.history}_log() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"INSERT INTO {self.history} (token) VALUES (NEW.fence_token); RETURN NEW; END $$"
+            )
+            db.query(
+                f"CREATE TRIGGER {self.history}_t AFTER UPDATE ON {self.name} "
+                f"FOR EACH ROW EXECUTE FUNCTION {self.history}_log()"
+            )
+        else:
+            db.query(
+                f"CREATE TABLE {self.name} (id INTEGER PRIMARY KEY, n INTEGER NOT NULL, owner INTEGER NOT NULL,"
+                " fence_token INTEGER NOT NULL DEFAULT 0)"
+            )
+            db.query(f"CREATE TABLE {self.history} (seq INTEGER PRIMARY KEY AUTOINCREMENT, token INTEGER NOT NULL)")
+            db.query(
+                f"CREATE TRIGGER {self.history}_t AFTER UPDATE ON {self.name} "
+                f"BEGIN INSERT INTO {self.history} (token) VALUES (NEW.fence_token); END"
+            )
+        db.query(f"INSERT INTO {self.name} (id, n, owner) VALUES (1, 0, 0)")
+
+    def _count(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        self.statements.append(statement)
+
+    def row(self, id: int = 1) -> tuple[int, int, int]:
+        return self.db.query(f"SELECT n, owner, fence_token FROM {self.name} WHERE id = %s", (id,))[0]
+
+    def accepted(self) -> list[int]:
+        return [t for (t,) in self.db.query(f"SELECT token FROM {self.history} ORDER BY seq")]
+
+    def drop(self) -> None:
+        self.engine.dispose()
+        self.db.query(f"DROP TABLE IF EXISTS {self.name}")
+        self.db.query(f"DROP TABLE IF EXISTS {self.history}")
+        if self.db.backend == "postgresql":
+            self.db.query(f"DROP FUNCTION IF EXISTS {self.history}_log()")
+
+
+@pytest.fixture
+def counter(db: Db) -> Iterator[Counter]:
+    c = Counter(db)
+    yield c
+    c.drop()
+
+
+def set_owner(counter: Counter, lease: Any, owner: int, *, strict: bool = False) -> Any:
+    t = counter.table
+    with counter.engine.begin() as conn:
+        return fenced_update(conn, update(t).where(t.c.id == 1).values(owner=owner), lease, strict=strict)
+
+
+def takeover(locker: Locker, name: str) -> dblock.Lease:
+    """A second client's acquire: it is granted only once the first lease expired (database time)."""
+    return locker.acquire(name, ttl=30, timeout=30)
+
+
+# -- the Core helper ---------------------------------------------------------------
+def _sql(stmt: Any) -> str:
+    return re.sub(r"::\w+", "", str(stmt.compile(dialect=postgresql.dialect())))
+
+
+def test_fenced_puts_the_check_and_the_stamp_in_the_same_statement() -> None:
+    t = counter_table("c")
+    stmt = fenced(update(t).where(t.c.id == 1).values(n=5), 7)
+    assert _sql(stmt) == (
+        "UPDATE c SET n=%(n)s, fence_token=%(fence_token)s "
+        "WHERE c.id = %(id_1)s AND c.fence_token <= %(fence_token_1)s"
+    )
+    assert stmt.compile().params["fence_token"] == stmt.compile().params["fence_token_1"] == 7
+    strict = fenced(update(t).values(n=5), 7, strict=True)
+    assert _sql(strict) == "UPDATE c SET n=%(n)s, fence_token=%(fence_token)s WHERE c.fence_token < %(fence_token_1)s"
+
+
+def test_a_fresh_lease_writes_in_one_statement_and_stamps_its_token(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    counter.statements.clear()
+    result = set_owner(counter, lease, 1)
+    assert result.rowcount == 1
+    assert [s for s in counter.statements if "UPDATE" in s] == counter.statements  # no extra SELECT
+    assert len(counter.statements) == 1
+    assert counter.row() == (0, 1, lease.token)
+    assert set_owner(counter, lease, 2).rowcount == 1  # the same lease writes again (default mode)
+    assert counter.row() == (0, 2, lease.token)
+
+
+def test_strict_mode_lets_each_grant_write_once(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    set_owner(counter, lease, 1, strict=True)
+    with pytest.raises(FencedOut) as caught:
+        set_owner(counter, lease, 2, strict=True)
+    assert caught.value.newer == lease.token
+    assert counter.row() == (0, 1, lease.token)
+
+
+def test_a_missing_row_is_not_a_fence_failure(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    t = counter.table
+    with counter.engine.begin() as conn:
+        result = fenced_update(conn, update(t).where(t.c.id == 42).values(owner=9), lease)
+    assert result.rowcount == 0
+
+
+def test_pause_in_a_thread_past_the_ttl(db: Db, counter: Counter) -> None:
+    """Client 1 sleeps past its TTL; client 2 takes over and writes; client 1's late write is refused."""
+    first, second = db.locker(), db.locker()
+    lease1 = first.acquire("resource", ttl=0.2)
+    client2_wrote = threading.Event()
+    outcome: list[object] = []
+
+    def client1() -> None:
+        time.sleep(0.4)  # a real pause, twice the TTL
+        client2_wrote.wait(30)
+        try:
+            set_owner(counter, lease1, 1)
+            outcome.append("wrote")
+        except FencedOut as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=client1)
+    thread.start()
+    lease2 = takeover(second, "resource")  # granted only after lease1 expired
+    assert lease2.token > lease1.token
+    set_owner(counter, lease2, 2)
+    client2_wrote.set()
+    thread.join(30)
+    (result,) = outcome
+    assert isinstance(result, FencedOut), result
+    assert (result.token, result.newer) == (lease1.token, lease2.token)
+    assert counter.row() == (0, 2, lease2.token)  # client 2's value survives
+    assert counter.accepted() == [lease2.token]
+
+
+def test_pause_in_a_process_stopped_with_sigstop(db: Db, counter: Counter) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, WORKER, "pause", db.url, db.table, counter.name, "0.2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        token1 = int(proc.stdout.readline())  # type: ignore[union-attr]
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)  # it stopped itself right before writing
+        assert os.WIFSTOPPED(status)
+        lease2 = takeover(db.locker(), "resource")
+        assert lease2.token > token1
+        set_owner(counter, lease2, 2)
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.stdout.readline().strip() == "fenced"  # type: ignore[union-attr]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert counter.row() == (0, 2, lease2.token)
+    assert counter.accepted() == [lease2.token]
+
+
+def _stress(db: Db, counter: Counter, mode: str, processes: int = 3, iterations: int = 12) -> tuple[list[int], int]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, "stress", db.url, db.table, counter.name, "0.02", str(iterations), mode, str(seed)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for seed in range(processes)
+    ]
+    accepted: list[int] = []
+    fenced_out = 0
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0
+        report = json.loads(out)
+        accepted += report["accepted"]
+        fenced_out += report["fenced"]
+    return accepted, fenced_out
+
+
+@pytest.mark.parametrize("mode", ["default", "strict"])
+def test_stress_no_lost_update_no_phantom_success(db: Db, counter: Counter, mode: str) -> None:
+    """Several processes, 20 ms TTLs, random pauses up to 40 ms, increments through fenced writes."""
+    accepted, fenced_out = _stress(db, counter, mode)
+    history = counter.accepted()
+    assert fenced_out > 0, "the run never produced a stale write: it tested nothing"
+    n, _, last = counter.row()
+    assert n == len(accepted) == len(history)  # no lost update, no phantom success
+    assert sorted(history) == sorted(accepted)  # exactly the writes that reported success
+    pairs = list(zip(history, history[1:]))
+    if mode == "strict":
+        assert all(a < b for a, b in pairs), history
+    else:
+        assert all(a <= b for a, b in pairs), history
+    assert last == history[-1]
+
+
+def test_stress_without_the_fence_shows_what_it_prevents(pg: Db) -> None:
+    """Mutant: the same run stamping the token without the predicate lets stale writes land out of order."""
+    counter = Counter(pg)
+    try:
+        _stress(pg, counter, "unfenced")
+        history = counter.accepted()
+        assert any(a > b for a, b in zip(history, history[1:])), history
+    finally:
+        counter.drop()
+
+
+# -- fenced upserts -----------------------------------------------------------------
+def test_fenced_upsert_inserts_updates_and_refuses_stale(db: Db, counter: Counter) -> None:
+    locker = db.locker()
+    old = locker.acquire("resource", ttl=0.05)
+    new = takeover(db.locker(), "resource")
+    t = counter.table
+    with counter.engine.begin() as conn:
+        fenced_upsert(conn, t, {"id": 2, "n": 1, "owner": 2}, new)  # insert
+    assert counter.row(2) == (1, 2, new.token)
+    with counter.engine.begin() as conn:
+        fenced_upsert(conn, t, {"id": 2, "n": 5, "owner": 2}, new)  # update by the same lease
+    assert counter.row(2) == (5, 2, new.token)
+    counter.statements.clear()
+    with pytest.raises(FencedOut), counter.engine.begin() as conn:
+        fenced_upsert(conn, t, {"id": 2, "n": 99, "owner": 1}, old)
+    assert len([s for s in counter.statements if "INSERT" in s]) == 1
+    assert counter.row(2) == (5, 2, new.token)
+
+
+def test_fenced_update_with_returning(db: Db, counter: Counter) -> None:
+    old = db.locker().acquire("resource", ttl=0.05)
+    new = takeover(db.locker(), "resource")
+    t = counter.table
+    write = update(t).where(t.c.id == 1).returning(t.c.owner)
+    with counter.engine.begin() as conn:
+        assert fenced_update(conn, write.values(owner=2), new).all() == [(2,)]
+    with pytest.raises(FencedOut), counter.engine.begin() as conn:
+        fenced_update(conn, write.values(owner=1), old)
+    assert counter.row() == (0, 2, new.token)
+
+
+# -- the fences table -----------------------------------------------------------------
+def test_fence_table_refuses_a_stale_token_and_rolls_back_the_callers_writes(db: Db, counter: Counter) -> None:
+    old = db.locker().acquire("report", ttl=0.05)
+    new = takeover(db.locker(), "report")
+    t = counter.table
+    with counter.engine.begin() as conn:
+        fence(conn, new)  # resource defaults to the lease's name
+        conn.execute(update(t).where(t.c.id == 1).values(owner=2))
+    assert db.query(f"SELECT resource, last_token FROM {fences_table_name(db.table)}") == [("report", new.token)]
+    with pytest.raises(FencedOut) as caught, counter.engine.begin() as conn:
+        conn.execute(update(t).where(t.c.id == 1).values(owner=1))  # written first, in the same transaction
+        fence(conn, old)
+    assert caught.value.newer == new.token
+    assert counter.row() == (0, 2, 0)  # the stale holder's other write rolled back with the fence
+    with counter.engine.begin() as conn:
+        fence(conn, new)  # the same lease passes again (default mode)
+    with pytest.raises(FencedOut), counter.engine.begin() as conn:
+        fence(conn, new, strict=True)
+    with counter.engine.begin() as conn:
+        fence(conn, new.token, "other", table=db.table)  # a bare token (e.g. from $DBLOCK_TOKEN)
+    assert sorted(db.query(f"SELECT resource, last_token FROM {fences_table_name(db.table)}")) == [
+        ("other", new.token),
+        ("report", new.token),
+    ]
+
+
+# -- commit-time lease check -----------------------------------------------------------
+def test_commit_guard_commits_while_the_lease_is_live(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    t = counter.table
+    with counter.engine.connect() as conn, dblock.commit_guard(conn, lease):
+        conn.execute(update(t).where(t.c.id == 1).values(owner=1))
+    assert counter.row() == (0, 1, 0)
+
+
+@pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
+def test_commit_guard_rolls_back_when_the_lease_is_gone(db: Db, counter: Counter, lost: str) -> None:
+    locker = db.locker()
+    lease = locker.acquire("resource", ttl=0.05 if lost != "released" else 30)
+    if lost == "released":
+        lease.release()
+    elif lost == "taken over":
+        takeover(db.locker(), "resource")
+    else:
+        wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
+    t = counter.table
+    with pytest.raises(LeaseLost), counter.engine.connect() as conn, dblock.commit_guard(conn, lease):
+        conn.execute(update(t).where(t.c.id == 1).values(owner=1))
+    assert counter.row() == (0, 0, 0)
+
+
+def _guarded_takeover(db: Db, counter: Counter) -> tuple[bool, bool]:
+    """Check the lease, let it expire, try a takeover while the checked transaction is open.
+
+    Returns (takeover granted before the commit, takeover granted after it).
+    """
+    locker = db.locker()
+    lease = locker.acquire("resource", ttl=0.3)
+    t = counter.table
+    conn = counter.engine.connect()
+    dblock.check_lease(conn, lease)  # first in the transaction: what it locks must hold until commit
+    wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
+    other = db.locker()
+    granted: list[dblock.Lease] = []
+    if db.backend == "postgresql":
+        thread = threading.Thread(target=lambda: granted.append(other.acquire("resource", timeout=30)))
+        thread.start()
+        # The takeover's UPDATE waits for the row lock that the check holds, or is granted.
+        waiting = lambda: bool(db.query("SELECT 1 FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"))  # noqa: E731
+        wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
+        before = bool(granted)
+    else:
+        try:  # the takeover needs SQLite's write lock, which the check took
+            granted.append(other.acquire("resource", timeout=0.2))
+        except dblock.LockNotAcquired:
+            pass
+        before = bool(granted)
+    conn.execute(update(t).where(t.c.id == 1).values(owner=1))
+    conn.commit()
+    conn.close()
+    if db.backend == "postgresql":
+        thread.join(30)
+    elif not granted:
+        granted.append(other.acquire("resource", timeout=0))
+    return before, bool(granted)
+
+
+def test_a_checked_lease_cannot_be_taken_over_before_the_commit(db: Db, counter: Counter) -> None:
+    before, after = _guarded_takeover(db, counter)
+    assert (before, after) == (False, True)
+    assert counter.row() == (0, 1, 0)
+
+
+def test_without_the_row_lock_the_takeover_slips_in(
+    db: Db, counter: Counter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutant: the same check as a plain read. The takeover is then granted before the commit."""
+    import dblock.fencing as fencing
+
+    def plain_read(dialect: str, t: str) -> str:
+        now = "clock_timestamp()" if dialect == "postgresql" else fencing._NOW
+        return f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token AND expires_at > {now}"
+
+    monkeypatch.setattr(fencing, "_lease_check_sql", plain_read)
+    before, _ = _guarded_takeover(db, counter)
+    assert before is True
+
+
+# -- bad input changes nothing ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda c, t, l: fenced_update(c, update(t).values(n=1), True), TypeError),
+        (lambda c, t, l: fenced_update(c, update(t).values(n=1), 0), ValueError),
+        (lambda c, t, l: fenced_update(c, update(t).values(n=1), 2**63), ValueError),
+        (lambda c, t, l: fenced_update(c, update(t).values(n=1), "5"), TypeError),
+        (lambda c, t, l: fenced_update(c, update(t).values(fence_token=99), l), ValueError),
+        (lambda c, t, l: fenced_update(c, update(t).values(n=1), l, column="nope"), ValueError),
+        (lambda c, t, l: fenced_update(c, insert(t).values(n=1), l), TypeError),  # type: ignore[arg-type]
+        (lambda c, t, l: fenced_upsert(c, t, {}, l), ValueError),
+        (lambda c, t, l: fenced_upsert(c, t, {"nope": 1}, l), ValueError),
+        (lambda c, t, l: fenced_upsert(c, t, {"n": 1, "fence_token": 5}, l), ValueError),
+        (lambda c, t, l: fenced_upsert(c, t, {"n": 1}, l, index_elements=["nope"]), ValueError),
+        (lambda c, t, l: fence(c, l, ""), ValueError),
+        (lambda c, t, l: fence(c, l, "x" * 256), ValueError),
+        (lambda c, t, l: fence(c, l.token), TypeError),
+        (lambda c, t, l: fence(c, l, table="bad name"), ValueError),
+        (lambda c, t, l: dblock.check_lease(c, l.token), TypeError),
+    ],
+)
+def test_bad_input_is_refused_before_any_sql(db: Db, counter: Counter, call: Any, error: type) -> None:
+    lease = db.locker().acquire("resource")
+    before = counter.row()
+    counter.statements.clear()
+    with counter.engine.begin() as conn, pytest.raises(error):
+        call(conn, counter.table, lease)
+    assert counter.statements == []
+    assert counter.row() == before
+
+
+def test_fence_without_dblocks_tables_says_what_to_run(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    with pytest.raises(dblock.SchemaMissing, match="dblock migrate"), counter.engine.begin() as conn:
+        fence(conn, lease.token, "r", table="no_such_locks")
+
