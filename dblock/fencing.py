@@ -15,6 +15,7 @@ together. Three tools, from the cheapest:
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Union
@@ -164,7 +165,7 @@ def fence(
         table = lease._locker.table if isinstance(lease, Lease) else DEFAULT_TABLE
     if schema is None and isinstance(lease, Lease):
         schema = lease._locker.schema
-    t = fences_table(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
+    t = _fences(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
     insert = _insert_for(_dialect(conn))
     stmt = insert(t).values(resource=resource, last_token=token)
     stmt = stmt.on_conflict_do_update(
@@ -257,6 +258,13 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
 
 
 # -- helpers --------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _fences(table: str, schema: str | None) -> Table:
+    # One Table object per name: SQLAlchemy caches compiled statements per
+    # Table, so a fresh one per call would compile the upsert every time.
+    return fences_table(table, schema)
+
+
 def _dialect(conn: Target) -> Dialect:
     if isinstance(conn, Session):
         return conn.get_bind().dialect
