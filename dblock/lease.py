@@ -103,10 +103,10 @@ class Lease:
         """
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
-        if self._renewal is not None:
-            raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
         if self._released or self.lost.is_set():
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
+        if self._renewal is not None:
+            raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
         self._on_lost = on_lost
         self._renewal = Renewal(self)
 

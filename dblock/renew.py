@@ -41,7 +41,7 @@ class Renewal:
         self.thread = threading.Thread(
             target=_renew,
             args=(ref, stop),
-            name=f"dblock-renew {lease.name!r} token={lease.token}",
+            name=f"dblock-renew {lease.name!r} token={lease.token} owner={lease.owner[:8]}",
             daemon=True,
         )
         self.thread.start()
@@ -55,43 +55,38 @@ def _renew(ref: weakref.ref[Lease], stop: threading.Event) -> None:
     lease = ref()
     if lease is None:
         return
-    wait: float | None = lease.ttl / 3
+    wait: float | None = _until_due(lease)
     del lease  # hold no strong reference while asleep
     while wait is not None and not stop.wait(wait):
         lease = ref()
         if lease is None:
             return
-        wait = _step(lease, stop)
+        wait = _step(lease)
         del lease
     log.debug("renewal thread ends")
 
 
-def _step(lease: Lease, stop: threading.Event) -> float | None:
+def _step(lease: Lease) -> float | None:
     """One renewal: the seconds until the next one, or None when the thread should end."""
     interval = lease.ttl / 3
     trusted = lease.remaining()
     if trusted <= 0:
-        _lose(lease, stop, "its trusted time ran out before it could be extended")
+        _lose(lease, "its trusted time ran out before it could be extended")
         return None
     # The extend runs on a helper thread so that a database that hangs (not
     # refusing, just silent) cannot keep us from noticing the trust run out.
     try:
         call_within(lease.extend, trusted, f"dblock-extend {lease.name!r}")
     except Overdue:
-        if not stop.is_set():
-            _lose(lease, stop, f"the database did not answer within the {trusted:.3g} s the lease was still trusted")
+        _lose(lease, f"the database did not answer within the {trusted:.3g} s the lease was still trusted")
         return None
     except LeaseLost:
-        # After a release this is the extend that raced it: no loss.
-        if not stop.is_set():
-            _lose(lease, stop, "it was released or taken over by another owner")
+        _lose(lease, "it was released or taken over by another owner")
         return None
     except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: retry while trusted
-        if stop.is_set():
-            return None
         left = lease.remaining()
         if left <= 0:
-            _lose(lease, stop, f"the database stayed unreachable until its trusted time ran out ({exc})")
+            _lose(lease, f"the database stayed unreachable until its trusted time ran out ({exc})")
             return None
         retry = min(interval / _RETRIES_PER_INTERVAL, left)
         log.warning(
@@ -100,12 +95,22 @@ def _step(lease: Lease, stop: threading.Event) -> float | None:
         )
         return retry
     log.debug("extended %r token=%s", lease.name, lease.token)
-    return interval
+    return _until_due(lease)
 
 
-def _lose(lease: Lease, stop: threading.Event, why: str) -> None:
-    if stop.is_set():
-        return
+def _until_due(lease: Lease) -> float:
+    """Seconds until a third of the lease's trusted time is used up: then it is extended.
+
+    Counted from the trust left, not from now, so a grant or an extend whose
+    reply was slow is followed up sooner.
+    """
+    ttl = lease.ttl
+    return min(ttl / 3, max(ttl / 30, lease.remaining() - 2 * ttl / 3))
+
+
+def _lose(lease: Lease, why: str) -> None:
+    if lease._released:
+        return  # released meanwhile: the extend that raced the release found nothing, as it should
     lease._lose()
     log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
     on_lost = lease._on_lost

@@ -4,7 +4,9 @@ It reads the frontend protocol: each Sync ('S') or simple Query ('Q') message
 ends one round trip. With ``drop_next_reply()`` armed, the next round trip is
 forwarded to the server, the server's whole reply (up to ReadyForQuery, so the
 statement has committed) is swallowed, and the connection is cut: the client
-sees a dropped connection after its statement took effect.
+sees a dropped connection after its statement took effect. ``pause()`` makes
+the database silent (nothing is forwarded, new connections hang) until
+``resume()``, like a network partition that drops packets.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class PgProxy:
         self.dropped = threading.Event()
         self.dropped_kinds: set[bytes] = set()  # message kinds of the round trip whose reply was lost
         self._drop_armed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._closing = False
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -66,8 +70,19 @@ class PgProxy:
             self._drop_armed = True
             self.dropped.clear()
 
+    def pause(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._closing = True
+        self._flowing.set()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept(); close() alone does not
+        except OSError:
+            pass
         self.listener.close()
         for s in list(self._socks):
             try:
@@ -82,6 +97,11 @@ class PgProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self._closing:
+                client.close()
+                return
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms Nagle stalls per message
+            self._flowing.wait()
             server = socket.socket(self.family, socket.SOCK_STREAM)
             server.connect(self.address)
             self._socks += [client, server]
@@ -128,6 +148,7 @@ class PgProxy:
                             state["dropping"] = True
                             self.dropped_kinds = kinds
                     kinds = set()
+                self._flowing.wait()
                 server.sendall(kind + struct.pack("!I", length) + body)
         except (ConnectionError, OSError):
             pass

@@ -1,0 +1,204 @@
+"""Automatic renewal, lost leases and owner labels, in the library (the CLI has its own tests)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+import threading
+
+import pytest
+
+from dblock import Lease, LeaseLost, Locker
+from dblock.locker import describe_process
+
+from .conftest import Db, wait_for
+from .pgproxy import PgProxy
+
+
+def renewal_threads(lease: Lease) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"dblock-renew {lease.name!r} token={lease.token} owner={lease.owner[:8]}"]
+
+
+def held_for(db: Db, name: str) -> float:
+    """Seconds from the grant to the current expiry of ``name``, by the database clock."""
+    span = "EXTRACT(EPOCH FROM expires_at - acquired_at)" if db.backend == "postgresql" else "expires_at - acquired_at"
+    ((seconds,),) = db.query(f"SELECT {span} FROM {db.table} WHERE name = %s", (name,))
+    return float(seconds or 0)
+
+
+def test_renewal_keeps_a_short_lease_held(db: Db) -> None:
+    locker, other = db.locker(), db.locker()
+    lease = locker.try_acquire("job", ttl=0.3, renew=True)
+    assert lease is not None and len(renewal_threads(lease)) == 1
+    # Held continuously (one grant, same acquired_at) for many TTLs of database time.
+    wait_for(lambda: held_for(db, "job") > 1.5, what="renewal to push the expiry past 5 TTLs")
+    assert other.try_acquire("job") is None
+    assert [(i.name, i.token) for i in other.leases()] == [("job", lease.token)]
+    assert lease.remaining() > 0 and not lease.lost.is_set()
+    assert lease.release() is True
+
+
+def test_release_stops_the_renewal_thread(db: Db) -> None:
+    calls: list[Lease] = []
+    lease = db.locker().acquire("job", ttl=60, renew=True, on_lost=calls.append)
+    (thread,) = renewal_threads(lease)
+    assert lease.release() is True
+    # The next renewal is 20 s away: only the release's stop can end the thread this soon.
+    thread.join(5)
+    assert not thread.is_alive()
+    assert not lease.lost.is_set() and calls == []
+
+
+def test_a_collected_lease_stops_its_renewal_thread(db: Db) -> None:
+    lease = db.locker().try_acquire("job", ttl=60, renew=True)
+    assert lease is not None
+    (thread,) = renewal_threads(lease)
+    del lease
+    gc.collect()
+    thread.join(5)  # the thread holds only a weak reference, and wakes when it dies
+    assert not thread.is_alive()
+
+
+def test_lost_when_another_owner_takes_over(db: Db) -> None:
+    calls: list[Lease] = []
+    lease = db.locker().try_acquire("job", ttl=0.5, renew=True, on_lost=calls.append)
+    assert lease is not None
+    (thread,) = renewal_threads(lease)
+    operator = db.locker()
+    (info,) = operator.leases()
+    assert operator.force_release(info) is True
+    assert operator.force_release(info) is False  # compares (name, owner, token): that lease is over
+    taker = operator.try_acquire("job", ttl=30)
+    assert taker is not None and taker.token > lease.token
+    assert lease.lost.wait(10), "renewal did not notice the takeover"
+    assert lease.remaining() == 0
+    thread.join(5)  # on_lost runs on it, after lost is set
+    assert not thread.is_alive()
+    assert calls == [lease]
+    with pytest.raises(LeaseLost):
+        lease.extend()
+    assert lease.release() is False
+    assert [(i.name, i.token) for i in operator.leases()] == [("job", taker.token)]
+
+
+def test_lost_when_the_database_falls_silent(pg: Db) -> None:
+    """A database that answers nothing (not even an error): lost when the trusted time runs out."""
+    proxy = PgProxy(pg.url)
+    try:
+        calls: list[Lease] = []
+        lease = Locker(proxy.url, table=pg.table).acquire("job", ttl=0.6, renew=True, on_lost=calls.append)
+        (thread,) = renewal_threads(lease)
+        wait_for(lambda: held_for(pg, "job") > 1.2, what="a few renewals through the proxy")
+        proxy.pause()
+        assert lease.lost.wait(10), "renewal waited on the silent database past the trusted time"
+        thread.join(5)
+        assert calls == [lease] and lease.remaining() == 0
+        ((expires_before,),) = pg.query(f"SELECT expires_at FROM {pg.table}")
+        proxy.resume()
+        # The extend that was stuck now lands; it must not make the lease trusted again.
+        wait_for(lambda: pg.query(f"SELECT expires_at FROM {pg.table}")[0][0] > expires_before, what="the late extend")
+        assert lease.lost.is_set() and lease.remaining() == 0
+    finally:
+        proxy.close()
+
+
+def test_lost_when_the_database_stays_unreachable(pg: Db, caplog: pytest.LogCaptureFixture) -> None:
+    """Refused connections are retried while the lease is trusted, then it is lost."""
+    proxy = PgProxy(pg.url)
+    calls: list[Lease] = []
+    with caplog.at_level(logging.WARNING, logger="dblock.renew"):
+        lease = Locker(proxy.url, table=pg.table).acquire("job", ttl=0.9, renew=True, on_lost=calls.append)
+        (thread,) = renewal_threads(lease)
+        proxy.close()
+        assert lease.lost.wait(10)
+        thread.join(5)
+    assert calls == [lease] and lease.remaining() == 0
+    retries = [r for r in caplog.records if r.name == "dblock.renew" and "could not extend" in r.getMessage()]
+    assert retries, "no retry was logged before the lease was given up"
+    assert any("lost the lease" in r.getMessage() for r in caplog.records)
+
+
+def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCaptureFixture) -> None:
+    def boom(lease: Lease) -> None:
+        raise RuntimeError("callback failed")
+
+    lease = db.locker().try_acquire("job", ttl=0.3, renew=True, on_lost=boom)
+    assert lease is not None
+    (thread,) = renewal_threads(lease)
+    with caplog.at_level(logging.ERROR, logger="dblock.renew"):
+        db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL")  # an operator broke it
+        assert lease.lost.wait(10)
+        thread.join(5)
+    assert not thread.is_alive()
+    assert any(r.exc_info and "callback failed" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db) -> None:
+    locker = db.locker()
+    with locker.lock("job", ttl=0.3, timeout=0, renew=True) as lease:
+        wait_for(lambda: held_for(db, "job") > 1.0, what="renewal inside the with-block")
+    assert lease.remaining() == 0 and not lease.lost.is_set()
+    assert locker.try_acquire("job") is not None
+
+    with pytest.raises(LeaseLost):
+        with locker.lock("job2", ttl=0.3, timeout=0, renew=True) as lease:
+            db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL WHERE name = 'job2'")
+            assert lease.lost.wait(10)
+
+
+def test_start_renewal_checks_its_arguments_and_state(db: Db) -> None:
+    lease = db.locker().try_acquire("job", ttl=30)
+    assert lease is not None
+    with pytest.raises(TypeError):
+        lease.start_renewal(on_lost="print")  # type: ignore[arg-type]
+    lease.start_renewal()
+    with pytest.raises(RuntimeError, match="already renewing"):
+        lease.start_renewal()
+    lease.release()
+    with pytest.raises(LeaseLost):
+        lease.start_renewal()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"renew": "yes"}, TypeError),
+        ({"renew": 1}, TypeError),
+        ({"on_lost": print}, ValueError),  # on_lost without renew=True
+        ({"renew": True, "on_lost": "print"}, TypeError),
+    ],
+)
+def test_bad_renewal_options_change_nothing(db: Db, options: dict[str, object], error: type[Exception]) -> None:
+    locker = db.locker()
+    before = db.rows()
+    with pytest.raises(error):
+        locker.try_acquire("job", **options)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        locker.acquire("job", timeout=0, **options)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        locker.lock("job", **options)  # type: ignore[arg-type]
+    assert db.rows() == before
+
+
+def test_labels_say_who_holds_a_lease(db: Db) -> None:
+    db.locker().try_acquire("default")
+    db.locker(label="deploy@ci #42").try_acquire("custom")
+    labels = {i.name: i.label for i in db.locker().leases()}
+    assert labels["custom"] == "deploy@ci #42"
+    host, _, rest = labels["default"].partition(":")
+    assert host == socket.gethostname() and rest.startswith(f"{os.getpid()} ")
+
+
+@pytest.mark.parametrize(("label", "error"), [("", ValueError), ("x" * 256, ValueError), ("a\x00b", ValueError), (7, TypeError)])
+def test_bad_labels_are_refused(db: Db, label: object, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        Locker(db.url, table=db.table, label=label)  # type: ignore[arg-type]
+
+
+def test_describe_process_masks_passwords_and_fits_the_column() -> None:
+    label = describe_process(["/usr/bin/psql", "postgresql://app:hunter2@db/app", "-c", "select 1"])
+    assert label == f"{socket.gethostname()}:{os.getpid()} psql postgresql://app:***@db/app -c 'select 1'"
+    long = describe_process(["job", "x" * 1000])
+    assert len(long) == 255 and long.endswith("...")
