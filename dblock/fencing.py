@@ -114,6 +114,7 @@ def fenced_upsert(
     t = _table(table)
     if column not in t.c:
         raise ValueError(f"table {t.name!r} has no {column!r} column to fence with (see dblock.orm.Fenced)")
+    _check_not_null(t.c[column])
     if not isinstance(values, Mapping) or not values:
         raise ValueError("values must be a non-empty mapping of column name to value")
     unknown = [k for k in values if k not in t.c]
@@ -134,7 +135,11 @@ def fenced_upsert(
         where=(fence_col < token) if strict else (fence_col <= token),
     ).returning(fence_col)
     if conn.execute(stmt).first() is None:  # the row exists and DO UPDATE's WHERE refused this token
-        raise _refused(token, f"table {t.name!r}", None, strict)
+        key = {k: values[k] for k in keys if k in values}
+        winner = None
+        if len(key) == len(keys):
+            winner = conn.execute(select(fence_col).where(*[t.c[k] == v for k, v in key.items()])).scalar()
+        raise _refused(token, f"table {t.name!r}", winner, strict)
 
 
 # -- the fences table -----------------------------------------------------------
@@ -193,6 +198,8 @@ def check_lease(conn: Target, lease: Lease) -> None:
     if not isinstance(lease, Lease):
         raise TypeError(f"check_lease needs a Lease, not {type(lease).__name__}")
     dialect = _dialect(conn)
+    if _in_autocommit(conn):
+        raise ValueError("check_lease needs a transaction: on an AUTOCOMMIT connection its lock would end at once")
     quote = dialect.identifier_preparer.quote
     locker = lease._locker
     sql = _lease_check_sql(dialect.name, (quote(locker.schema) + "." if locker.schema else "") + quote(locker.table))
@@ -227,9 +234,10 @@ def _lease_check_sql(dialect: str, t: str) -> str:
 def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
     """``with commit_guard(session_or_conn, lease):`` commits at the end only if the lease is still live.
 
-    On a clean exit it flushes (a Session), runs ``check_lease`` and commits;
-    on any error, LeaseLost included, it rolls back. Inside the block, a
-    Session's own ``session.commit()`` is checked the same way.
+    On a clean exit it commits, and every commit inside the block (yours
+    included) first runs ``check_lease`` as the transaction's last statement
+    (after a Session's final flush). When the check fails the transaction is
+    rolled back and LeaseLost raised; on any other error the block rolls back.
     """
     if not isinstance(lease, Lease):
         raise TypeError(f"commit_guard needs a Lease, not {type(lease).__name__}")
@@ -237,24 +245,33 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
         raise TypeError(f"commit_guard needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
 
     def before_commit(session: Session) -> None:
-        session.flush()  # the fence must be the last thing before COMMIT
+        session.flush()  # the check must come after the last write
         check_lease(session, lease)
+
+    def on_commit(connection: Connection) -> None:
+        try:
+            check_lease(connection, lease)
+        except BaseException:
+            # SQLAlchemy calls this just before the driver's COMMIT: roll the
+            # driver's transaction back first, so nothing of it can commit.
+            connection.connection.dbapi_connection.rollback()  # type: ignore[union-attr]
+            raise
 
     if isinstance(conn, Session):
         event.listen(conn, "before_commit", before_commit)
+    else:
+        event.listen(conn, "commit", on_commit)
     try:
         yield conn
-        if isinstance(conn, Session):
-            conn.commit()  # runs before_commit
-        else:
-            check_lease(conn, lease)
-            conn.commit()
+        conn.commit()
     except BaseException:
         conn.rollback()
         raise
     finally:
         if isinstance(conn, Session):
             event.remove(conn, "before_commit", before_commit)
+        else:
+            event.remove(conn, "commit", on_commit)
 
 
 # -- helpers --------------------------------------------------------------------
@@ -302,9 +319,26 @@ def _token_column(stmt: Update, column: str) -> Column[Any]:
         name = getattr(table, "name", table)
         raise ValueError(f"table {name!r} has no {column!r} column to fence with (see dblock.orm.Fenced)")
     col: Column[Any] = columns[column]
+    _check_not_null(col)
     if any(getattr(k, "key", k) == column for k in (stmt._values or {})):
         raise ValueError(f"do not set {column!r} yourself: the fence stamps it with the lease's token")
     return col
+
+
+def _check_not_null(col: Column[Any]) -> None:
+    if col.nullable:
+        # NULL <= :token is not true: a NULL fence would refuse every write, silently.
+        raise ValueError(f"fence column {col.name!r} must be NOT NULL DEFAULT 0, not nullable")
+
+
+def _in_autocommit(conn: Target) -> bool:
+    connection = conn.connection() if isinstance(conn, Session) else conn
+    driver = connection.connection.driver_connection
+    if isinstance(driver, psycopg.Connection):
+        return bool(driver.autocommit)
+    if isinstance(driver, sqlite3.Connection):
+        return driver.isolation_level is None
+    return False
 
 
 def _refused(token: int, what: str, winner: int | None, strict: bool) -> FencedOut:

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from sqlalchemy import BigInteger, event, inspect, text
+from sqlalchemy import BigInteger, and_, event, inspect, or_, select, text
 from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, object_session
+from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, object_session, scoped_session
 from sqlalchemy.orm.exc import StaleDataError
 
-from .errors import FencedOut
 from .fencing import TokenLike, _refused, token_of
 
 __all__ = ["Fenced", "fenced_session"]
@@ -32,24 +31,44 @@ class Fenced:
     """Declarative mixin: a ``fence_token`` column (BIGINT NOT NULL DEFAULT 0) that fences flushes.
 
     ``class Account(Fenced, Base): ...``. If your model needs its own
-    ``__mapper_args__``, merge in ``Fenced.fence_mapper_args(cls)``.
+    ``__mapper_args__``, merge in ``Fenced.fence_mapper_args(cls)``:
+    ``{**Fenced.fence_mapper_args(cls), "eager_defaults": True}``. dblock checks
+    at mapper configuration that the fence is in place.
     """
 
     fence_token: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default=text("0"))
 
     @staticmethod
     def fence_mapper_args(cls: Any) -> dict[str, Any]:
-        return {"version_id_col": cls.__table__.c.fence_token, "version_id_generator": False}
+        table = cls.__dict__.get("__table__")
+        if table is None or "fence_token" not in table.c:
+            return {}  # a subclass without its own fence_token column inherits the parent's
+        return {"version_id_col": table.c.fence_token, "version_id_generator": False}
 
     @declared_attr.directive
     def __mapper_args__(cls) -> dict[str, Any]:
         return Fenced.fence_mapper_args(cls)
 
 
-@dataclass(frozen=True)
+@event.listens_for(Fenced, "mapper_configured", propagate=True)
+def _check_mapper(mapper: Mapper[Any], cls: Any) -> None:
+    # Without the version column the UPDATE would carry no check at all: a
+    # model's own __mapper_args__ replacing the mixin's must fail loudly.
+    col = mapper.version_id_col
+    if col is None or col.key != "fence_token" or mapper.version_id_generator is not False:
+        raise TypeError(
+            f"{cls.__name__} mixes in dblock.orm.Fenced but its mapper does not use fence_token as "
+            "version_id_col with version_id_generator=False; merge Fenced.fence_mapper_args(cls) "
+            "into its __mapper_args__"
+        )
+
+
+@dataclass
 class _Fence:
     token: int
     strict: bool
+    touched: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)
+    stamped: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)  # this transaction
 
 
 # The fence in force for each Session inside a fenced_session block.
@@ -60,37 +79,76 @@ _active: weakref.WeakKeyDictionary[Session, _Fence] = weakref.WeakKeyDictionary(
 def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) -> Iterator[Session]:
     """``with fenced_session(session, lease):`` every flush of a ``Fenced`` object is fenced.
 
-    An UPDATE or DELETE of a row that a newer lease wrote raises FencedOut:
-    the flush fails, the session is rolled back and nothing is written. New
-    rows are stamped with the token. Changes still pending when the block
-    ends are flushed before it ends, so nothing made inside escapes the fence;
-    commit inside the block or after it. For ``session.execute(update(...))``
-    use ``dblock.fenced_update(session, ...)``: bulk statements skip flush events.
+    An UPDATE or DELETE of a row that a newer lease wrote raises FencedOut;
+    the session is rolled back and nothing is written. New rows are stamped
+    with the token. Changes still pending when the block ends are flushed
+    before it ends; if the block raises, the session is rolled back, so no
+    change made inside can be written unfenced later. For
+    ``session.execute(update(...))`` use ``dblock.fenced_update(session, ...)``:
+    bulk statements skip flush events.
     """
     token = token_of(lease)
+    if isinstance(session, scoped_session):
+        session = session()
     if not isinstance(session, Session):
         raise TypeError(f"fenced_session needs a SQLAlchemy Session, not {type(session).__name__}")
     if not isinstance(strict, bool):
         raise TypeError("strict must be True or False")
     if session in _active:
         raise RuntimeError("this Session is already inside a fenced_session block")
-    _active[session] = _Fence(token, strict)
+    fence = _Fence(token, strict)
+
+    def transaction_ended(session: Session, transaction: Any) -> None:
+        if transaction.parent is None:
+            fence.stamped.clear()
+
+    _active[session] = fence
+    event.listen(session, "after_transaction_end", transaction_ended)
     try:
         yield session
         session.flush()
     except StaleDataError as exc:
+        # The row's token is no longer the one loaded. A newer lease's write
+        # means we are fenced out; an older lease's (or our own elsewhere) is
+        # an ordinary concurrent change: re-raised as is, retry with fresh data.
         session.rollback()
-        raise FencedOut(
-            f"fenced out: a row changed since this session loaded it (a newer lease wrote or deleted it), "
-            f"so token {token} may not write it; the session was rolled back and nothing was written",
-            token=token,
-            resource="a fenced row",
-        ) from exc
-    except FencedOut:
-        session.rollback()
+        winner = _newest_token(session, fence)
+        session.rollback()  # end the read's own transaction too
+        if winner is not None and (winner > token or (strict and winner == token)):
+            raise _refused(token, "a row flushed in this session", winner, strict) from exc
+        raise
+    except BaseException:
+        session.rollback()  # nothing made inside the block may be flushed later, unfenced
         raise
     finally:
         _active.pop(session, None)
+        event.remove(session, "after_transaction_end", transaction_ended)
+
+
+def _newest_token(session: Session, fence: _Fence) -> int | None:
+    """The largest token now on the rows this block tried to write (after the rollback)."""
+    newest: int | None = None
+    by_mapper: dict[Mapper[Any], list[tuple[Any, ...]]] = {}
+    for mapper, identity in fence.touched:
+        by_mapper.setdefault(mapper, []).append(identity)
+    for mapper, identities in by_mapper.items():
+        table = mapper.local_table if "fence_token" in mapper.local_table.c else mapper.base_mapper.local_table
+        pk = mapper.primary_key
+        match = or_(*[_pk_equals(pk, identity) for identity in identities])
+        found = session.execute(select(table.c.fence_token).where(match)).scalars().all()
+        for value in found:
+            if newest is None or value > newest:
+                newest = value
+    return newest
+
+
+def _pk_equals(pk: Any, identity: tuple[Any, ...]) -> Any:
+    return and_(*[col == value for col, value in zip(pk, identity)])
+
+
+def _fence_of(target: Any) -> _Fence | None:
+    session = object_session(target)
+    return None if session is None else _active.get(session)
 
 
 def _loaded_token(target: Any) -> int | None:
@@ -103,32 +161,43 @@ def _loaded_token(target: Any) -> int | None:
     return None
 
 
-def _check(fence: _Fence, target: Any) -> None:
+def _key(mapper: Mapper[Any], target: Any) -> tuple[Mapper[Any], tuple[Any, ...]]:
+    return mapper.base_mapper, tuple(mapper.primary_key_from_instance(target))
+
+
+def _check(fence: _Fence, mapper: Mapper[Any], target: Any) -> None:
+    key = _key(mapper, target)
+    fence.touched.add(key)
     loaded = _loaded_token(target)
     if loaded is None:
         return
-    if loaded > fence.token or (fence.strict and loaded == fence.token):
-        raise _refused(fence.token, f"row {inspect(target).identity!r} of {type(target).__name__}", loaded, fence.strict)
+    # Strict: one write per grant, but the several flushes of one transaction
+    # (autoflush, insert then update) are one write.
+    again = loaded == fence.token and key not in fence.stamped
+    if loaded > fence.token or (fence.strict and again):
+        raise _refused(fence.token, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
 
 
-def _fence_of(target: Any) -> _Fence | None:
-    session = object_session(target)
-    return None if session is None else _active.get(session)
+def _has_column_changes(mapper: Mapper[Any], target: Any) -> bool:
+    attrs = inspect(target).attrs
+    return any(attrs[prop.key].history.has_changes() for prop in mapper.column_attrs)
 
 
 @event.listens_for(Fenced, "before_update", propagate=True)
 def _before_update(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
     fence = _fence_of(target)
-    if fence is not None:
-        _check(fence, target)
-        target.fence_token = fence.token  # SET fence_token = :token ... WHERE fence_token = :loaded
+    if fence is None or not _has_column_changes(mapper, target):
+        return  # no fence in force, or only a collection changed: no UPDATE of this row
+    _check(fence, mapper, target)
+    target.fence_token = fence.token  # SET fence_token = :token ... WHERE fence_token = :loaded
+    fence.stamped.add(_key(mapper, target))
 
 
 @event.listens_for(Fenced, "before_delete", propagate=True)
 def _before_delete(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
     fence = _fence_of(target)
     if fence is not None:
-        _check(fence, target)  # DELETE ... WHERE fence_token = :loaded
+        _check(fence, mapper, target)  # DELETE ... WHERE fence_token = :loaded
 
 
 @event.listens_for(Fenced, "before_insert", propagate=True)
@@ -136,3 +205,10 @@ def _before_insert(mapper: Mapper[Any], connection: Connection, target: Any) -> 
     fence = _fence_of(target)
     if fence is not None:
         target.fence_token = fence.token
+
+
+@event.listens_for(Fenced, "after_insert", propagate=True)
+def _after_insert(mapper: Mapper[Any], connection: Connection, target: Any) -> None:
+    fence = _fence_of(target)
+    if fence is not None:
+        fence.stamped.add(_key(mapper, target))  # now it has its primary key

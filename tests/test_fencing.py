@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from sqlalchemy import create_engine, event, insert, update
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, event, insert, update
 from sqlalchemy.dialects import postgresql
 
 import dblock
@@ -143,10 +143,12 @@ def test_strict_mode_lets_each_grant_write_once(db: Db, counter: Counter) -> Non
 
 
 def test_a_missing_row_is_not_a_fence_failure(db: Db, counter: Counter) -> None:
-    lease = db.locker().acquire("resource")
+    old, new = db.locker().acquire("resource", ttl=0.05), None
+    new = takeover(db.locker(), "resource")
+    set_owner(counter, new, 2)  # another row carries a newer token than `old`
     t = counter.table
     with counter.engine.begin() as conn:
-        result = fenced_update(conn, update(t).where(t.c.id == 42).values(owner=9), lease)
+        result = fenced_update(conn, update(t).where(t.c.id == 42).values(owner=9), old)
     assert result.rowcount == 0
 
 
@@ -271,6 +273,10 @@ def test_fenced_upsert_inserts_updates_and_refuses_stale(db: Db, counter: Counte
         fenced_upsert(conn, t, {"id": 2, "n": 99, "owner": 1}, old)
     assert len([s for s in counter.statements if "INSERT" in s]) == 1
     assert counter.row(2) == (5, 2, new.token)
+    with pytest.raises(FencedOut) as caught, counter.engine.begin() as conn:
+        fenced_upsert(conn, t, {"id": 2, "n": 6, "owner": 2}, new, strict=True)  # strict: once per grant
+    assert caught.value.newer == new.token
+    assert counter.row(2) == (5, 2, new.token)
 
 
 def test_fenced_update_with_returning(db: Db, counter: Counter) -> None:
@@ -320,6 +326,36 @@ def test_commit_guard_commits_while_the_lease_is_live(db: Db, counter: Counter) 
     assert counter.row() == (0, 1, 0)
 
 
+def test_commit_guard_checks_a_commit_made_inside_the_block(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    t = counter.table
+    with pytest.raises(LeaseLost), counter.engine.connect() as conn, dblock.commit_guard(conn, lease):
+        conn.execute(update(t).where(t.c.id == 1).values(owner=1))
+        conn.commit()  # checked: still live
+        lease.release()
+        conn.execute(update(t).where(t.c.id == 1).values(owner=2))
+        conn.commit()  # checked: gone, so rolled back
+    assert counter.row() == (0, 1, 0)
+
+
+def test_the_check_uses_the_time_of_the_check_not_of_the_transactions_start(db: Db, counter: Counter) -> None:
+    """A transaction that began while the lease was live must not pass the check after it expired."""
+    locker = db.locker()
+    lease = locker.acquire("resource", ttl=0.3)
+    t = counter.table
+    with pytest.raises(LeaseLost), counter.engine.connect() as conn, dblock.commit_guard(conn, lease):
+        conn.execute(update(t).where(t.c.id == 1).values(owner=1))  # the transaction begins
+        wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
+    assert counter.row() == (0, 0, 0)
+
+
+def test_check_lease_refuses_an_autocommit_connection(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    with counter.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pytest.raises(ValueError, match="AUTOCOMMIT"):
+            dblock.check_lease(conn, lease)
+
+
 @pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
 def test_commit_guard_rolls_back_when_the_lease_is_gone(db: Db, counter: Counter, lost: str) -> None:
     locker = db.locker()
@@ -353,7 +389,12 @@ def _guarded_takeover(db: Db, counter: Counter) -> tuple[bool, bool]:
         thread = threading.Thread(target=lambda: granted.append(other.acquire("resource", timeout=30)))
         thread.start()
         # The takeover's UPDATE waits for the row lock that the check holds, or is granted.
-        waiting = lambda: bool(db.query("SELECT 1 FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"))  # noqa: E731
+        waiting = lambda: bool(  # noqa: E731
+            db.query(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                (f"%{db.table}%",),
+            )
+        )
         wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
         before = bool(granted)
     else:
@@ -394,6 +435,9 @@ def test_without_the_row_lock_the_takeover_slips_in(
 
 
 # -- bad input changes nothing ----------------------------------------------------------
+nullable_fence = Table("nullable_fence", MetaData(), Column("n", Integer), Column("fence_token", BigInteger))
+
+
 @pytest.mark.parametrize(
     "call, error",
     [
@@ -413,6 +457,7 @@ def test_without_the_row_lock_the_takeover_slips_in(
         (lambda c, t, l: fence(c, l.token), TypeError),
         (lambda c, t, l: fence(c, l, table="bad name"), ValueError),
         (lambda c, t, l: dblock.check_lease(c, l.token), TypeError),
+        (lambda c, t, l: fenced_update(c, update(nullable_fence).values(n=1), l), ValueError),
     ],
 )
 def test_bad_input_is_refused_before_any_sql(db: Db, counter: Counter, call: Any, error: type) -> None:

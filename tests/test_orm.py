@@ -7,7 +7,16 @@ from typing import Any, Iterator
 
 import pytest
 from sqlalchemy import ForeignKey, create_engine, event, select, update
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    configure_mappers,
+    declared_attr,
+    mapped_column,
+    relationship,
+)
+from sqlalchemy.orm.exc import StaleDataError
 
 import dblock
 from dblock import FencedOut, Lease, fenced_update
@@ -220,3 +229,82 @@ def test_fenced_session_checks_its_arguments(models: Models) -> None:
                 pass
         with pytest.raises(RuntimeError), fenced_session(s, lease), fenced_session(s, lease):
             pass
+
+
+def test_an_error_inside_the_block_rolls_back_so_nothing_is_written_unfenced_later(models: Models) -> None:
+    old, new = models.stale_and_fresh()
+    with Session(models.engine) as stale:
+        account = stale.get(models.Account, 1)
+        with Session(models.engine) as fresh, fenced_session(fresh, new):
+            fresh.get(models.Account, 1).balance = 50  # type: ignore[union-attr]
+            fresh.commit()
+        with pytest.raises(RuntimeError), fenced_session(stale, old):
+            account.balance = 0  # type: ignore[union-attr]
+            raise RuntimeError("the caller's own error")
+        stale.commit()  # outside the block: nothing pending may be written unfenced
+    assert models.rows()[0] == (1, 50, new.token)
+
+
+def test_a_model_whose_mapper_args_drop_the_fence_is_refused() -> None:
+    class Base(DeclarativeBase):
+        pass
+
+    class Unfenced(Fenced, Base):
+        __tablename__ = "unfenced"
+        __mapper_args__ = {"eager_defaults": True}  # replaces the mixin's version_id_col
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+    class Merged(Fenced, Base):
+        __tablename__ = "merged"
+        id: Mapped[int] = mapped_column(primary_key=True)
+
+        @declared_attr.directive
+        def __mapper_args__(cls) -> dict[str, Any]:
+            return {**Fenced.fence_mapper_args(cls), "eager_defaults": True}
+
+    assert Merged.__mapper__.version_id_col is Merged.__table__.c.fence_token  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(TypeError, match="fence_mapper_args"):
+            configure_mappers()
+    finally:
+        Base.registry.dispose()
+
+
+def test_an_older_leases_write_is_a_concurrent_change_not_a_fence_failure(models: Models) -> None:
+    """The newest holder loaded a row, then a stale fenced write landed (allowed: the row had
+    seen no newer token). The newest holder's flush conflicts; it is not told it lost the lock."""
+    old, new = models.stale_and_fresh()
+    Account = models.Account
+    with Session(models.engine) as fresh:
+        account = fresh.get(Account, 1)
+        with Session(models.engine) as stale:
+            fenced_update(stale, update(Account).where(Account.id == 1).values(balance=7), old)
+            stale.commit()
+        with pytest.raises(StaleDataError), fenced_session(fresh, new):
+            account.balance = 1  # type: ignore[union-attr]
+            fresh.commit()
+    assert models.rows()[0] == (1, 7, old.token)
+
+
+def test_strict_mode_counts_the_flushes_of_one_transaction_as_one_write(models: Models) -> None:
+    _, new = models.stale_and_fresh()
+    with Session(models.engine) as s, fenced_session(s, new, strict=True):
+        s.add(models.Account(id=3, balance=1))
+        s.flush()
+        s.get(models.Account, 3).balance = 2  # type: ignore[union-attr]
+        s.get(models.Account, 1).balance = 1  # type: ignore[union-attr]
+        s.flush()
+        s.get(models.Account, 1).balance = 2  # type: ignore[union-attr]
+        s.commit()
+    assert models.rows()[:3] == [(1, 2, new.token), (2, 0, 0), (3, 2, new.token)]
+
+
+def test_a_collection_change_does_not_write_the_parent_row(models: Models) -> None:
+    _, new = models.stale_and_fresh()
+    with Session(models.engine) as s, fenced_session(s, new):
+        account = s.get(models.Account, 2)
+        account.entries.append(models.Entry(id=5))  # type: ignore[union-attr]
+        models.statements.clear()
+        s.commit()
+    assert not [q for q in models.statements if q.startswith(f"UPDATE {models.Account.__tablename__}")]
+    assert models.rows()[1] == (2, 0, 0)
