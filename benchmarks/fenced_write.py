@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import statistics
 import tempfile
-import time
 from typing import Callable
 
 from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, update
 from sqlalchemy.engine import make_url
 
 import dblock
+from _timing import interleaved  # benchmarks/_timing.py
 
 
 def main() -> None:
@@ -83,21 +82,11 @@ def main() -> None:
         "fence() + UPDATE (fences table)": fences_table,
         "UPDATE under commit_guard": guarded,
     }
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for fn in variants.values():  # warm up: prepare, cache the compiled statements
-        for _ in range(50):
-            fn()
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            for _ in range(args.writes):
-                fn()
-            samples[name].append((time.perf_counter() - start) / args.writes * 1e6)
-    base = statistics.median(samples["plain UPDATE"])
+    medians = interleaved(variants, args.rounds, args.writes, warmup=50)
+    base = medians["plain UPDATE"]
     print(f"| variant | us/write | ratio |  ({args.rounds} rounds x {args.writes} writes, median)")
     print("|---|---:|---:|")
-    for name in variants:
-        med = statistics.median(samples[name])
+    for name, med in medians.items():
         print(f"| {name} | {med:.1f} | {med / base:.2f}x |")
     conn.close()
     lease.release()

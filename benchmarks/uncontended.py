@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import statistics
 import tempfile
-import time
 
 import psycopg
 from sqlalchemy.engine import make_url
+
+from _timing import interleaved  # benchmarks/_timing.py
 
 from dblock import Locker
 
@@ -66,21 +66,11 @@ def main() -> None:
         "hand-written pair, raw psycopg": hand_written,
         "dblock try_acquire + release": dblock_pair,
     }
-    for fn in variants.values():  # warm up: connect, prepare
-        for _ in range(20):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for label, fn in variants.items():
-            start = time.perf_counter()
-            for _ in range(args.pairs):
-                fn()
-            samples[label].append((time.perf_counter() - start) / args.pairs * 1e6)
-    base = statistics.median(samples["hand-written pair, raw psycopg"])
+    medians = interleaved(variants, args.rounds, args.pairs)
+    base = medians["hand-written pair, raw psycopg"]
     print(f"uncontended, {args.rounds} rounds x {args.pairs} pairs, PostgreSQL {raw.info.server_version}")
     print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16}")
-    for label, values in samples.items():
-        med = statistics.median(values)
+    for label, med in medians.items():
         print(f"{label:45} {med:9.1f} {med / base:15.2f}x")
     raw.close()
     locker.close()

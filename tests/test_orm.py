@@ -62,6 +62,14 @@ class Models:
             entries = conn.execute(select(self.Entry.id, self.Entry.account_id, self.Entry.fence_token)).all()
         return sorted(map(tuple, accounts)) + sorted(map(tuple, entries))
 
+    def write(self, lease: Lease, model: Any, id: int, **values: Any) -> None:
+        """Another client's fenced write of one object, committed."""
+        with Session(self.engine) as s, fenced_session(s, lease):
+            obj = s.get(model, id)
+            for key, value in values.items():
+                setattr(obj, key, value)
+            s.commit()
+
     def stale_and_fresh(self) -> tuple[Lease, Lease]:
         old = self.locker.acquire("accounts", ttl=0.05)
         new = self.locker.acquire("accounts", timeout=30)  # granted once `old` expired
@@ -114,9 +122,7 @@ def test_a_stale_flush_of_a_row_loaded_before_the_takeover_is_refused(models: Mo
     with Session(models.engine) as stale:
         account = stale.get(models.Account, 1)  # loaded with fence_token 0 <= old.token
         new = models.locker.acquire("accounts", timeout=30)
-        with Session(models.engine) as fresh, fenced_session(fresh, new):
-            fresh.get(models.Account, 1).balance = 50  # type: ignore[union-attr]
-            fresh.commit()
+        models.write(new, models.Account, 1, balance=50)
         before = models.rows()
         with pytest.raises(FencedOut) as caught, fenced_session(stale, old):
             account.balance = 0  # type: ignore[union-attr]
@@ -129,9 +135,7 @@ def test_a_stale_flush_of_a_row_loaded_before_the_takeover_is_refused(models: Mo
 
 def test_a_stale_flush_of_a_row_loaded_after_the_takeover_is_refused(models: Models) -> None:
     old, new = models.stale_and_fresh()
-    with Session(models.engine) as fresh, fenced_session(fresh, new):
-        fresh.get(models.Account, 1).balance = 50  # type: ignore[union-attr]
-        fresh.commit()
+    models.write(new, models.Account, 1, balance=50)
     models.statements.clear()
     with Session(models.engine) as stale:
         with pytest.raises(FencedOut) as caught, fenced_session(stale, old):
@@ -147,9 +151,7 @@ def test_a_stale_delete_is_refused(models: Models) -> None:
     old, new = models.stale_and_fresh()
     with Session(models.engine) as stale:
         entry = stale.get(models.Entry, 1)
-        with Session(models.engine) as fresh, fenced_session(fresh, new):
-            fresh.get(models.Entry, 1).account_id = 2  # type: ignore[union-attr]
-            fresh.commit()
+        models.write(new, models.Entry, 1, account_id=2)
         with pytest.raises(FencedOut), fenced_session(stale, old):
             stale.delete(entry)
             stale.commit()
@@ -235,9 +237,7 @@ def test_an_error_inside_the_block_rolls_back_so_nothing_is_written_unfenced_lat
     old, new = models.stale_and_fresh()
     with Session(models.engine) as stale:
         account = stale.get(models.Account, 1)
-        with Session(models.engine) as fresh, fenced_session(fresh, new):
-            fresh.get(models.Account, 1).balance = 50  # type: ignore[union-attr]
-            fresh.commit()
+        models.write(new, models.Account, 1, balance=50)
         with pytest.raises(RuntimeError), fenced_session(stale, old):
             account.balance = 0  # type: ignore[union-attr]
             raise RuntimeError("the caller's own error")
