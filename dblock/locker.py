@@ -24,7 +24,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from . import migrate, statements
+from . import statements
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
 from ._validate import check_identifier, check_interval, check_name, check_timeout, check_ttl
 from .errors import LeaseLost, LockNotAcquired
@@ -87,6 +87,8 @@ class Locker:
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:
         """Create or upgrade dblock's tables with its migrations (idempotent)."""
+        from . import migrate  # Alembic loads only when the schema is made, not on every start
+
         if self.engine.dialect.name == "sqlite":
             self._use_wal()
         migrate.upgrade(self.engine, self.table, self.schema)
@@ -298,7 +300,8 @@ class Locker:
         check_name(lease.name)
         self._ensure_schema()
         ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token})
-        release_log.warning("forced the release of %r (token %s, label %r): %s", lease.name, lease.token, lease.label, ended)
+        if ended:
+            release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
 
     def prune(self, older_than: float) -> int:
@@ -392,7 +395,8 @@ def describe_process(command: Sequence[str]) -> str:
         words[0] = Path(words[0]).name or words[0]
     line = shlex.join(words) if words else "python"
     label = _URL_PASSWORD.sub(r"\1***@", f"{socket.gethostname()}:{os.getpid()} {line}")
-    label = label.encode("utf-8", "replace").decode("utf-8")
+    # One readable line: no newlines or other control characters, valid UTF-8.
+    label = "".join(c if c.isprintable() else " " for c in label).encode("utf-8", "replace").decode("utf-8")
     return label if len(label) <= LABEL_LENGTH else label[: LABEL_LENGTH - 3] + "..."
 
 

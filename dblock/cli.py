@@ -1,0 +1,512 @@
+"""The ``dblock`` command: run a command under a lock, list and break leases, migrate.
+
+    dblock run NAME [--ttl S] [--wait S] [--grace S] -- CMD [ARGS...]
+    dblock status [NAME] [--json]
+    dblock release NAME --force [--yes]
+    dblock migrate [--sql]
+
+``--url`` (or ``$DBLOCK_URL``) picks the database; with neither, the embedded
+SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import traceback
+from types import FrameType
+from typing import Any, Callable, Sequence, TextIO, cast
+from urllib.parse import quote, quote_plus
+
+import psycopg
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from ._validate import check_identifier, check_name, check_timeout, check_ttl
+from .errors import DBLockError, LockNotAcquired
+from .lease import Lease, LeaseInfo
+from .locker import Locker, describe_process
+from .renew import Overdue, call_within
+from .schema import DEFAULT_TABLE, default_sqlite_path
+
+EXIT_NOT_HELD = 1  # status NAME: not held; release: nothing was released
+EXIT_USAGE = 2  # bad arguments (argparse's code); nothing was touched
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database failed (unreachable, table missing, ...)
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: a bug in dblock; the traceback is on stderr
+EXIT_BUSY = 75  # EX_TEMPFAIL: the lock is held by someone else; try again later
+EXIT_LOST = 76  # the lease was lost while the command ran; the command was stopped
+EXIT_CANNOT_RUN = 126  # the command was found but could not be started (as in the shell)
+EXIT_NOT_FOUND = 127  # the command was not found (as in the shell)
+
+DEFAULT_TTL = 30.0
+DEFAULT_GRACE = 10.0
+# Signals `dblock run` passes on to its command. It keeps holding (and renewing)
+# the lease until the command exits, whatever the command does with them.
+FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Keys that a terminal sends to its whole foreground process group, the command included.
+_FROM_TERMINAL = (signal.SIGINT, signal.SIGQUIT)
+
+_EPILOG = f"""\
+exit codes:
+  run      the command's own status (128+N if a signal N ended it);
+           {EXIT_BUSY} the lock is busy; {EXIT_LOST} the lease was lost and the command stopped;
+           {EXIT_NOT_FOUND} command not found; {EXIT_CANNOT_RUN} command not executable
+  status   0; with NAME, {EXIT_NOT_HELD} if NAME is not held
+  release  0 released; {EXIT_NOT_HELD} nothing released
+  all      {EXIT_USAGE} bad arguments; {EXIT_UNAVAILABLE} database error; {EXIT_SOFTWARE} internal error
+
+environment:
+  DBLOCK_URL   database URL when --url is not given (default: the embedded SQLite file)
+  DBLOCK_HOME  directory of the embedded SQLite file
+  the command of `run` gets DBLOCK_NAME and DBLOCK_TOKEN (the fencing token)
+"""
+
+log = logging.getLogger("dblock.cli")
+
+
+class _Interrupted(BaseException):
+    """A forwarded signal arrived before there was a command to forward it to."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# -- arguments -----------------------------------------------------------------
+def _typed(check: Callable[[Any], Any], convert: Callable[[str], Any] = float) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return check(convert(text))
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc) if str(exc) else f"invalid value {text!r}") from None
+
+    parse.__name__ = check.__name__.replace("check_", "")  # argparse names the type in errors
+    return parse
+
+
+def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
+    def number(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"not a number of seconds: {text!r}") from None
+
+    return _typed(check, number)
+
+
+_NAME = _typed(check_name, str)
+_TABLE = _typed(lambda v: check_identifier(v, "table"), str)
+_SCHEMA = _typed(lambda v: check_identifier(v, "schema"), str)
+
+
+def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    group = parser.add_argument_group("database")
+    group.add_argument("--url", default=default, help="SQLAlchemy URL (default: $DBLOCK_URL, else the embedded SQLite file)")
+    group.add_argument("--table", type=_TABLE, default=default, help=f"lock table (default: {DEFAULT_TABLE})")
+    group.add_argument("--schema", type=_SCHEMA, default=default, help="PostgreSQL schema of the table")
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="log what dblock does")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dblock",
+        description="A lease lock with fencing tokens in your SQL database.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    _database_options(parser, None)
+    # The same options after the command name; SUPPRESS keeps them from
+    # overwriting the ones given before it.
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _database_options(common, argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser(
+        "run",
+        parents=[common],
+        allow_abbrev=False,
+        usage="dblock run NAME [--ttl S] [--wait S] [--grace S] [options] -- CMD [ARGS...]",
+        help="run a command while holding a lock",
+        description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
+        "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("name", type=_NAME, help="the lock's name")
+    run.add_argument("--ttl", type=_seconds(check_ttl), default=DEFAULT_TTL,
+                     help=f"lease length in seconds, renewed every ttl/3 (default: {DEFAULT_TTL:g})")
+    run.add_argument("--wait", type=_seconds(check_timeout), default=0.0,
+                     help=f"seconds to wait for a busy lock ('inf': for ever; default: 0, exit {EXIT_BUSY} at once)")
+    run.add_argument("--grace", type=_seconds(check_timeout), default=DEFAULT_GRACE,
+                     help=f"if the lease is lost: seconds between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g})")
+    run.set_defaults(handler=_run, parser=run)
+
+    status = commands.add_parser(
+        "status", parents=[common], allow_abbrev=False, help="list the leases held now",
+        description="List the leases held now: name, owner label, token, time left (by the database clock).",
+    )
+    status.add_argument("name", nargs="?", type=_NAME, help=f"only this lock (exit {EXIT_NOT_HELD} if it is not held)")
+    status.add_argument("--json", action="store_true", help="print JSON for scripts")
+    status.set_defaults(handler=_status, parser=status)
+
+    release = commands.add_parser(
+        "release", parents=[common], allow_abbrev=False, help="break a lease (operators)",
+        description="End the current lease on NAME whoever holds it. Its holder learns it at its next "
+        "renewal; `dblock run` then stops its command.",
+    )
+    release.add_argument("name", type=_NAME, help="the lock's name")
+    release.add_argument("--force", action="store_true", help="required: yes, break someone else's lease")
+    release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    release.set_defaults(handler=_release, parser=release)
+
+    migration = commands.add_parser(
+        "migrate", parents=[common], allow_abbrev=False, help="create or upgrade dblock's tables",
+        description="Create or upgrade dblock's tables with its migrations (safe to run concurrently).",
+    )
+    migration.add_argument("--sql", action="store_true", help="print the DDL instead of running it")
+    migration.set_defaults(handler=_migrate, parser=migration)
+    return parser
+
+
+# -- entry point -----------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    hidden = _passwords(args)
+    out, err = sys.stdout, sys.stderr
+    # Everything dblock prints goes through these, so that a password that a
+    # driver or a traceback might quote never reaches the terminal or a log.
+    sys.stdout = cast(TextIO, _Redacting(out, hidden))
+    sys.stderr = cast(TextIO, _Redacting(err, hidden))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dblock: %(message)s"))
+    root = logging.getLogger("dblock")
+    root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        return _main(args)
+    except SystemExit as exc:  # argparse
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except Exception:  # noqa: BLE001 - reported, with its traceback, as an internal error
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.write("dblock: internal error (a bug); please report it with the traceback above\n")
+        return EXIT_SOFTWARE
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        root.removeHandler(handler)
+        root.setLevel(level)
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser()
+    # `run` takes its command after the first `--`; other commands get it back.
+    command: list[str] | None = None
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1 :]
+    args = parser.parse_args(argv)
+    sub: argparse.ArgumentParser = args.parser
+    if args.command == "run":
+        if not command:
+            sub.error("give the command to run after --, e.g. dblock run NAME -- CMD ARGS...")
+        args.cmd = command
+    elif command is not None:
+        args = parser.parse_args([*argv, "--", *command])
+    if args.url is None:
+        args.url = os.environ.get("DBLOCK_URL") or None
+    if args.table is None:
+        args.table = DEFAULT_TABLE
+    if args.url is None and args.schema is not None:
+        sub.error("--schema needs a PostgreSQL --url; the embedded default is SQLite, which has no schemas")
+    if args.verbose:
+        logging.getLogger("dblock").setLevel(logging.DEBUG)
+    handler: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.handler
+    try:
+        return handler(args, sub)
+    except (DBLockError, SQLAlchemyError, psycopg.Error, sqlite3.Error, OSError) as exc:
+        print(f"dblock: {_first_line(exc)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+
+def _locker(args: argparse.Namespace, parser: argparse.ArgumentParser, label: str | None = None) -> Locker:
+    """The Locker the options describe; bad options end the program with usage (exit 2) before any I/O."""
+    try:
+        return Locker(args.url, table=args.table, schema=args.schema, label=label)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+
+
+def _nothing_there(args: argparse.Namespace) -> bool:
+    """True if the embedded default has no file yet: nothing is held, and looking must not create it."""
+    return args.url is None and not default_sqlite_path().exists()
+
+
+# -- dblock run ---------------------------------------------------------------------
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    command: list[str] = args.cmd
+    locker = _locker(args, parser, label=describe_process(command))
+    child: list[subprocess.Popen[bytes]] = []  # set once the command runs
+    pending: list[int] = []  # signals that arrived while it was being started
+    spawning = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if child:
+            if signum in _FROM_TERMINAL and _terminal_signals_our_group():
+                return  # the terminal sent it to the command too; twice would be once too many
+            child[0].send_signal(signum)
+        elif spawning:
+            pending.append(signum)
+        else:
+            raise _Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED}
+    lease: Lease | None = None
+    try:
+        wake = threading.Event()
+        lease = _acquire(locker, args, on_lost=lambda _: wake.set())
+        if lease is None:
+            print(f"dblock: {_busy(locker, args.name, args.wait)}", file=sys.stderr)
+            return EXIT_BUSY
+        log.debug("acquired %r, token %s; running %s", args.name, lease.token, command)
+        env = dict(os.environ, DBLOCK_NAME=args.name, DBLOCK_TOKEN=str(lease.token))
+        spawning = True
+        try:
+            child.append(subprocess.Popen(command, env=env))
+        except FileNotFoundError:
+            print(f"dblock: {command[0]}: command not found", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        except OSError as exc:
+            print(f"dblock: {command[0]}: cannot run: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_CANNOT_RUN
+        finally:
+            spawning = False
+        for signum in pending:
+            on_signal(signum, None)
+        return _supervise(child[0], lease, wake, args)
+    except _Interrupted as exc:  # while waiting for the lock: nothing runs yet
+        return 128 + exc.signum
+    finally:
+        if lease is not None:
+            _release_quietly(lease)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:
+    if args.wait == 0:
+        # One attempt; on SQLite it still waits (briefly) for another writer to finish.
+        return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost)
+    try:
+        return locker.acquire(args.name, ttl=args.ttl, timeout=args.wait, renew=True, on_lost=on_lost)
+    except LockNotAcquired:
+        return None
+
+
+def _busy(locker: Locker, name: str, waited: float) -> str:
+    what = f"lock {name!r} is busy" if waited == 0 else f"lock {name!r} stayed busy for {waited:g} s"
+    try:
+        holder = next((i for i in locker.leases() if i.name == name), None)
+    except DBLockError:
+        holder = None
+    if holder is not None:
+        what += f": held by {holder.label or holder.owner} (token {holder.token}, {holder.remaining:.1f} s left)"
+    return what + "; not running the command"
+
+
+def _supervise(child: subprocess.Popen[bytes], lease: Lease, wake: threading.Event, args: argparse.Namespace) -> int:
+    done = threading.Event()
+
+    def reap() -> None:
+        child.wait()
+        done.set()
+        wake.set()
+
+    threading.Thread(target=reap, name="dblock-reap", daemon=True).start()
+    # Signal handlers run while the main thread waits here, and forward.
+    while not done.is_set() and not lease.lost.is_set():
+        wake.wait()
+        wake.clear()
+    if lease.lost.is_set() and not done.is_set():
+        print(f"dblock: lost the lease on {args.name!r} (token {lease.token}); stopping the command (SIGTERM)",
+              file=sys.stderr)
+        child.terminate()
+        if not done.wait(args.grace):
+            print(f"dblock: the command did not stop within {args.grace:g} s; sending SIGKILL", file=sys.stderr)
+            child.kill()
+            done.wait()
+        return EXIT_LOST
+    if lease.lost.is_set():  # lost as the command ended: its last steps may have run unprotected
+        print(f"dblock: lost the lease on {args.name!r} (token {lease.token}) before the command ended", file=sys.stderr)
+        return EXIT_LOST
+    code = child.returncode
+    return code if code >= 0 else 128 - code
+
+
+def _release_quietly(lease: Lease) -> None:
+    # A database that stopped answering must not keep us from exiting: the
+    # lease ends at its TTL anyway, so waiting longer than that gains nothing.
+    try:
+        call_within(lease.release, min(lease.ttl, 30.0), "dblock-release")
+    except Overdue:
+        print(f"dblock: could not release {lease.name!r} in time; it expires within {lease.ttl:g} s", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - reported; the lease expires at its TTL
+        if not lease.lost.is_set():
+            print(f"dblock: could not release {lease.name!r} ({_first_line(exc)}); it expires within {lease.ttl:g} s",
+                  file=sys.stderr)
+
+
+def _terminal_signals_our_group() -> bool:
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
+# -- dblock status / release / migrate -------------------------------------------
+def _status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    infos = [] if _nothing_there(args) else _locker(args, parser).leases()
+    if args.name is not None:
+        infos = [i for i in infos if i.name == args.name]
+    if args.json:
+        print(json.dumps([_as_json(i) for i in infos], indent=2))
+    elif infos:
+        rows = [("NAME", "OWNER", "TOKEN", "EXPIRES IN")]
+        rows += [(_shown(i.name), _shown(i.label or i.owner), str(i.token), f"{i.remaining:.1f}s") for i in infos]
+        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        for r in rows:
+            print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+    elif args.name is not None:
+        print(f"{_shown(args.name)} is not held")
+    else:
+        print("no leases held")
+    return EXIT_NOT_HELD if args.name is not None and not infos else 0
+
+
+def _as_json(info: LeaseInfo) -> dict[str, Any]:
+    return {
+        "name": info.name,
+        "label": info.label,
+        "owner": info.owner,
+        "token": info.token,
+        "acquired_at": info.acquired_at.isoformat(),
+        "expires_at": info.expires_at.isoformat(),
+        "expires_in": round(info.remaining, 3),
+    }
+
+
+def _release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if not args.force:
+        parser.error("release breaks whoever holds the lease: add --force if that is what you want")
+    if not args.yes and not sys.stdin.isatty():
+        parser.error("cannot ask for confirmation (stdin is not a terminal): add --yes")
+    infos = [] if _nothing_there(args) else [i for i in _locker(args, parser).leases() if i.name == args.name]
+    if not infos:
+        print(f"dblock: {args.name!r} is not held; nothing to release", file=sys.stderr)
+        return EXIT_NOT_HELD
+    (info,) = infos
+    who = f"{_shown(info.label or info.owner)} (token {info.token}, {info.remaining:.1f} s left)"
+    if not args.yes:
+        sys.stderr.write(f"Break the lease on {info.name!r} held by {who}? [y/N] ")
+        sys.stderr.flush()
+        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+            print("dblock: nothing released", file=sys.stderr)
+            return EXIT_NOT_HELD
+    if not _locker(args, parser).force_release(info):
+        print(f"dblock: the lease on {info.name!r} ended or changed meanwhile; nothing released", file=sys.stderr)
+        return EXIT_NOT_HELD
+    print(f"dblock: released {info.name!r}, held by {who}", file=sys.stderr)
+    return 0
+
+
+def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import migrate  # Alembic: loaded only for this command
+
+    if args.sql:
+        if args.url is None:
+            url = URL.create("sqlite", database=str(default_sqlite_path()))  # not created: only printed
+            if args.schema is not None:
+                parser.error("schema is not supported on SQLite (the embedded default)")
+        else:
+            url = _locker(args, parser).engine.url
+        print(migrate.sql(url.render_as_string(hide_password=True), args.table, args.schema), end="")
+        return 0
+    locker = _locker(args, parser)
+    locker.create_schema()
+    where = locker.engine.url.render_as_string(hide_password=True)
+    print(f"dblock: table {args.table!r} is up to date in {where}", file=sys.stderr)
+    return 0
+
+
+# -- output ----------------------------------------------------------------------
+def _shown(text: str) -> str:
+    return text if text.isprintable() else repr(text)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _passwords(argv: Sequence[str]) -> list[str]:
+    """Every form of the database password that could be printed: from --url and $DBLOCK_URL."""
+    urls = [os.environ.get("DBLOCK_URL", "")]
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    for i, arg in enumerate(options):
+        if arg == "--url" and i + 1 < len(options):
+            urls.append(options[i + 1])
+        elif arg.startswith("--url="):
+            urls.append(arg[len("--url="):])
+    found: set[str] = set()
+    for url in urls:
+        try:
+            password = make_url(url).password if url else None
+        except (ArgumentError, ValueError):
+            password = None
+        if password:
+            password = str(password)
+            found.update({password, quote(password, safe=""), quote_plus(password)})
+    return sorted(found, key=len, reverse=True)
+
+
+class _Redacting(io.TextIOBase):
+    """A text stream that writes to another one with the given secrets masked."""
+
+    def __init__(self, stream: TextIO, secrets: Sequence[str]) -> None:
+        super().__init__()
+        self._stream = stream
+        self._secrets = [s for s in secrets if s]
+
+    def write(self, text: str) -> int:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._stream.encoding

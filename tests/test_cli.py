@@ -1,0 +1,436 @@
+"""The `dblock` command, run as users run it: the installed console script in real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from dblock.cli import EXIT_BUSY, EXIT_CANNOT_RUN, EXIT_LOST, EXIT_NOT_FOUND, EXIT_NOT_HELD, EXIT_UNAVAILABLE, main
+
+from .conftest import Db, wait_for
+from .pgproxy import PgProxy
+
+DBLOCK = Path(sys.executable).parent / "dblock"  # the console script pip installed
+PY = sys.executable
+
+# The command run under the lock. argv: DIR MODE. Writes DIR/started (its
+# DBLOCK_NAME and DBLOCK_TOKEN), then waits for DIR/stop. MODE "handle": a
+# SIGTERM/SIGINT/SIGHUP is written to DIR/signals and ends it with status 42;
+# "ignore": SIGTERM is ignored; "plain": default signal handling.
+CHILD = """
+import os, signal, sys, time
+d, mode = sys.argv[1], sys.argv[2]
+def on(signum, frame):
+    with open(os.path.join(d, "signals"), "a") as f:
+        f.write(f"{signum}\\n")
+    sys.exit(42)
+if mode == "handle":
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on)
+elif mode == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(d, "started.tmp"), "w") as f:
+    f.write(os.environ["DBLOCK_NAME"] + " " + os.environ["DBLOCK_TOKEN"])
+os.rename(os.path.join(d, "started.tmp"), os.path.join(d, "started"))
+while not os.path.exists(os.path.join(d, "stop")):
+    time.sleep(0.02)
+"""
+
+# Mutual exclusion, checked by the commands themselves: mkdir fails if another
+# one is inside. Each appends "start"/"end" to DIR/log.
+CRITICAL = """
+import os, sys, time
+d = sys.argv[1]
+try:
+    os.mkdir(os.path.join(d, "inside"))
+except FileExistsError:
+    sys.exit(99)
+with open(os.path.join(d, "log"), "a") as f:
+    f.write("start\\n")
+time.sleep(0.2)
+with open(os.path.join(d, "log"), "a") as f:
+    f.write("end\\n")
+os.rmdir(os.path.join(d, "inside"))
+"""
+
+
+class Cli:
+    """Runs the console script against one test table (or the embedded default in DBLOCK_HOME)."""
+
+    def __init__(self, db: Db | None, tmp_path: Path) -> None:
+        self.db = db
+        self.home = tmp_path / "home"
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DBLOCK_HOME": str(self.home)}
+        self.options = [] if db is None else ["--url", db.url, "--table", db.table]
+        self.holders: list[tuple[subprocess.Popen[str], Path]] = []
+
+    def args(self, command: str, *rest: str) -> list[str]:
+        return [str(DBLOCK), command, *self.options, *rest]
+
+    def __call__(self, command: str, *rest: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        kw.setdefault("stdin", subprocess.DEVNULL)
+        kw.setdefault("env", self.env)
+        return subprocess.run(self.args(command, *rest), capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload,no-any-return]
+
+    def start(self, command: str, *rest: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.args(command, *rest), env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def holder(self, name: str, work: Path, *options: str, mode: str = "plain") -> subprocess.Popen[str]:
+        """`dblock run NAME -- CHILD`, once its command has started."""
+        work.mkdir(exist_ok=True)
+        proc = self.start("run", name, *options, "--", PY, "-c", CHILD, str(work), mode)
+        self.holders.append((proc, work))
+        wait_for(lambda: (work / "started").exists() or proc.poll() is not None, what="the command to start")
+        assert proc.poll() is None, proc.communicate()
+        return proc
+
+
+    def stop_holders(self) -> None:
+        """After a failed test too: let every command end, so no orphan outlives the suite."""
+        for proc, work in self.holders:
+            (work / "stop").touch()
+        for proc, _ in self.holders:
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture
+def cli(db: Db, tmp_path: Path) -> Iterator[Cli]:
+    """On PostgreSQL and on a SQLite file."""
+    c = Cli(db, tmp_path)
+    yield c
+    c.stop_holders()
+
+
+@pytest.fixture
+def pg_cli(pg: Db, tmp_path: Path) -> Iterator[Cli]:
+    """On PostgreSQL only."""
+    c = Cli(pg, tmp_path)
+    yield c
+    c.stop_holders()
+
+
+@pytest.fixture
+def embedded(tmp_path: Path) -> Iterator[Cli]:
+    """On the embedded default (no --url, DBLOCK_HOME in tmp_path): for what does not depend on the backend."""
+    c = Cli(None, tmp_path)
+    yield c
+    c.stop_holders()
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err
+
+
+def held_for(db: Db, name: str) -> float:
+    span = "EXTRACT(EPOCH FROM expires_at - acquired_at)" if db.backend == "postgresql" else "expires_at - acquired_at"
+    rows = db.query(f"SELECT {span} FROM {db.table} WHERE name = %s AND owner IS NOT NULL", (name,))
+    return float(rows[0][0]) if rows else 0.0
+
+
+def owner_of(db: Db, name: str) -> object:
+    rows = db.query(f"SELECT owner FROM {db.table} WHERE name = %s", (name,))
+    return rows[0][0] if rows else None
+
+
+# -- run -------------------------------------------------------------------------
+def test_concurrent_runs_never_hold_one_name_at_once(cli: Cli, tmp_path: Path) -> None:
+    waiting = [cli.start("run", "crit", "--wait", "60", "--ttl", "1", "--", PY, "-c", CRITICAL, str(tmp_path))
+               for _ in range(3)]
+    not_waiting = [cli.start("run", "crit", "--", PY, "-c", CRITICAL, str(tmp_path))]
+    results = [finish(p) for p in waiting + not_waiting]
+    assert [r[0] for r in results[:3]] == [0, 0, 0], results
+    assert all(r[0] in (0, EXIT_BUSY) for r in results[3:]), results
+    for code, _, err in results[3:]:
+        if code == EXIT_BUSY:
+            assert err.startswith("dblock: lock 'crit' is busy") and err.count("\n") == 1, err
+    inside = sum(r[0] == 0 for r in results)
+    assert (tmp_path / "log").read_text() == "start\nend\n" * inside
+
+
+def test_renewal_keeps_a_one_second_lease_through_a_long_command(pg_cli: Cli, tmp_path: Path) -> None:
+    # PostgreSQL only, to keep the suite quick: test_renew.py renews on both backends.
+    cli = pg_cli
+    assert cli.db is not None
+    holder = cli.holder("long", tmp_path / "w", "--ttl", "1")
+    token = int((tmp_path / "w" / "started").read_text().split()[1])
+    # One grant, renewed: the lease has lasted five TTLs by the database's clock.
+    wait_for(lambda: held_for(cli.db, "long") > 5, timeout=20, what="the lease to last five TTLs")
+    busy = cli("run", "long", "--wait", "0", "--", "true")
+    assert busy.returncode == EXIT_BUSY, busy
+    assert f"(token {token}," in busy.stderr and socket.gethostname() in busy.stderr
+    (tmp_path / "w" / "stop").touch()
+    assert finish(holder)[0] == 0
+    assert owner_of(cli.db, "long") is None  # released at exit, not left to expire
+
+
+def test_forced_release_stops_the_command(cli: Cli, tmp_path: Path) -> None:
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "1", "--grace", "30", mode="handle")
+    broken = cli("release", "job", "--force", "--yes")
+    assert broken.returncode == 0, broken
+    assert "released 'job'" in broken.stderr and socket.gethostname() in broken.stderr
+    code, _, err = finish(holder)
+    assert code == EXIT_LOST, err
+    assert (tmp_path / "w" / "signals").read_text() == f"{int(signal.SIGTERM)}\n"
+    assert "lost the lease on 'job'" in err and "SIGTERM" in err and "SIGKILL" not in err
+
+
+def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(embedded: Cli, tmp_path: Path) -> None:
+    cli = embedded
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "1", "--grace", "0.2", mode="ignore")
+    assert cli("release", "job", "--force", "--yes").returncode == 0
+    code, _, err = finish(holder)
+    assert code == EXIT_LOST, err
+    assert "did not stop within 0.2 s; sending SIGKILL" in err
+
+
+def test_lease_lost_while_the_database_is_silent_stops_the_command(pg: Db, tmp_path: Path) -> None:
+    proxy = PgProxy(pg.url)
+    cli = Cli(pg, tmp_path)
+    try:
+        cli.options = ["--url", proxy.url, "--table", pg.table]
+        holder = cli.holder("job", tmp_path / "w", "--ttl", "1", mode="handle")
+        proxy.pause()
+        code, _, err = finish(holder)
+        assert code == EXIT_LOST, err
+        assert (tmp_path / "w" / "signals").read_text() == f"{int(signal.SIGTERM)}\n"
+        assert "did not answer" in err
+    finally:
+        proxy.close()
+        cli.stop_holders()
+
+
+def check_signal_reaches_the_command(cli: Cli, work: Path, signum: int) -> None:
+    assert cli.db is not None
+    holder = cli.holder("job", work, "--ttl", "30", mode="handle")
+    assert owner_of(cli.db, "job") is not None
+    holder.send_signal(signum)
+    code, _, err = finish(holder)
+    assert code == 42, err  # the command's own status
+    assert (work / "signals").read_text() == f"{int(signum)}\n"
+    assert owner_of(cli.db, "job") is None  # released, long before its 30 s TTL
+
+
+def test_sigterm_reaches_the_command_and_the_lease_is_released(cli: Cli, tmp_path: Path) -> None:
+    check_signal_reaches_the_command(cli, tmp_path / "w", signal.SIGTERM)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_sigint_and_sighup_reach_the_command_too(embedded: Cli, tmp_path: Path, signum: int) -> None:
+    embedded.db = Db("sqlite", f"sqlite:///{embedded.home / 'locks.sqlite3'}", "locks")  # to look inside
+    check_signal_reaches_the_command(embedded, tmp_path / "w", signum)
+
+
+def test_a_command_killed_by_a_signal_exits_128_plus_n(embedded: Cli, tmp_path: Path) -> None:
+    holder = embedded.holder("job", tmp_path / "w", mode="plain")
+    holder.send_signal(signal.SIGTERM)
+    assert finish(holder)[0] == 128 + signal.SIGTERM
+
+
+def test_run_passes_the_status_and_the_token_on_the_embedded_default(embedded: Cli) -> None:
+    out = embedded("run", "job", "--", "sh", "-c", 'echo "$DBLOCK_NAME $DBLOCK_TOKEN"; exit 3')
+    assert out.returncode == 3, out
+    name, token = out.stdout.split()
+    assert name == "job" and int(token) >= 1
+    assert (embedded.home / "locks.sqlite3").exists()
+    again = embedded("run", "job", "--", "sh", "-c", 'echo "$DBLOCK_TOKEN"')
+    assert again.returncode == 0 and int(again.stdout) > int(token)
+
+
+def test_a_command_that_cannot_start_releases_the_lock(embedded: Cli, tmp_path: Path) -> None:
+    missing = embedded("run", "job", "--", str(tmp_path / "no-such-command"))
+    assert missing.returncode == EXIT_NOT_FOUND and "command not found" in missing.stderr
+    script = tmp_path / "not-executable"
+    script.write_text("echo hi\n")
+    denied = embedded("run", "job", "--", str(script))
+    assert denied.returncode == EXIT_CANNOT_RUN
+    assert embedded("status", "job").returncode == EXIT_NOT_HELD
+
+
+# -- status, release, migrate --------------------------------------------------------
+def test_status_table_and_json(cli: Cli, tmp_path: Path) -> None:
+    holder = cli.holder("nightly-report", tmp_path / "w", "--ttl", "30")
+    token = int((tmp_path / "w" / "started").read_text().split()[1])
+    table = cli("status")
+    assert table.returncode == 0, table
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["NAME", "OWNER", "TOKEN", "EXPIRES", "IN"]
+    assert row.startswith("nightly-report  ") and f"  {token}  " in row and row.endswith("s")
+    assert f"{socket.gethostname()}:{holder.pid} " in row and "python" in row  # who to look for
+    assert 25 < float(row.rsplit(None, 1)[1].rstrip("s")) <= 30
+
+    one = cli("status", "nightly-report", "--json")
+    assert one.returncode == 0
+    (info,) = json.loads(one.stdout)
+    assert info["name"] == "nightly-report" and info["token"] == token
+    assert info["label"].startswith(f"{socket.gethostname()}:{holder.pid} ") and len(info["owner"]) == 32
+    assert 25 < info["expires_in"] <= 30
+    assert info["expires_at"] > info["acquired_at"]
+
+    other = cli("status", "other")
+    assert other.returncode == EXIT_NOT_HELD and other.stdout == "other is not held\n"
+    (tmp_path / "w" / "stop").touch()
+    assert finish(holder)[0] == 0
+    assert cli("status").stdout == "no leases held\n"
+
+
+def test_status_on_the_embedded_default_creates_nothing(tmp_path: Path) -> None:
+    cli = Cli(None, tmp_path)
+    assert cli("status").stdout == "no leases held\n"
+    assert cli("status", "x").returncode == EXIT_NOT_HELD
+    assert cli("release", "x", "--force", "--yes").returncode == EXIT_NOT_HELD
+    assert not cli.home.exists()
+
+
+def test_release_asks_on_a_terminal(pg_cli: Cli, tmp_path: Path) -> None:
+    cli = pg_cli
+    assert cli.db is not None
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "1", mode="handle")
+    for answer, code in (("n", EXIT_NOT_HELD), ("y", 0)):
+        primary, secondary = pty.openpty()
+        try:
+            os.write(primary, f"{answer}\n".encode())
+            out = cli("release", "job", "--force", stdin=secondary)
+        finally:
+            os.close(primary)
+            os.close(secondary)
+        assert out.returncode == code, out
+        assert "Break the lease on 'job' held by " in out.stderr
+        if code:
+            assert owner_of(cli.db, "job") is not None and "nothing released" in out.stderr
+    assert finish(holder)[0] == EXIT_LOST
+    assert owner_of(cli.db, "job") is None
+
+
+def test_migrate_creates_the_tables_and_prints_the_ddl(tmp_path: Path) -> None:
+    cli = Cli(None, tmp_path)
+    ddl = cli("migrate", "--sql")
+    assert ddl.returncode == 0 and "CREATE TABLE locks" in ddl.stdout and "ADD COLUMN label" in ddl.stdout
+    assert not cli.home.exists()  # printing the DDL touches nothing
+    target = tmp_path / "app.db"
+    made = cli("migrate", "--url", f"sqlite:///{target}", "--table", "app_locks")
+    assert made.returncode == 0 and "up to date" in made.stderr
+    ran = cli("run", "--url", f"sqlite:///{target}", "--table", "app_locks", "x", "--", "true")
+    assert ran.returncode == 0, ran
+    missing = cli("run", "--url", f"sqlite:///{target}", "x", "--", "true")  # table "locks" was never made
+    assert missing.returncode == EXIT_UNAVAILABLE and "dblock migrate" in missing.stderr
+
+
+def test_migrate_on_postgresql(pg: Db, tmp_path: Path) -> None:
+    cli = Cli(None, tmp_path)
+    table = pg.table + "_cli"
+    made = cli("--url", pg.url, "migrate", "--table", table)  # options before or after the command
+    try:
+        assert made.returncode == 0, made
+        assert cli("run", "--url", pg.url, "--table", table, "x", "--", "true").returncode == 0
+        assert pg.query(f"SELECT name, owner FROM {table}") == [("x", None)]
+    finally:
+        pg.query(f"DROP TABLE IF EXISTS {table}, {table}_fences, alembic_version_dblock_{table}")
+        pg.query(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
+
+
+def test_python_m_dblock(tmp_path: Path) -> None:
+    out = subprocess.run([PY, "-m", "dblock", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for word in ("run", "status", "release", "migrate", "DBLOCK_URL", "DBLOCK_HOME", f"{EXIT_BUSY} the lock is busy"):
+        assert word in out.stdout
+
+
+# -- passwords and bad arguments -------------------------------------------------------
+def test_passwords_never_appear(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on: connecting fails
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    password = "Sup3r:s@cret/%"
+    encoded = "Sup3r%3As%40cret%2F%25"
+    url = f"postgresql+psycopg://dblock:{encoded}@127.0.0.1:{port}/app"
+    cli = Cli(None, tmp_path)
+    runs = [
+        cli("status", "--url", url),
+        cli("status", "-v", f"--url={url}", "--json"),
+        cli("run", "--url", url, "x", "--", "true"),
+        cli("migrate", "--url", url),
+        cli("migrate", "--url", url, "--sql"),
+        cli("release", "x", "--force", "--yes", env={**cli.env, "DBLOCK_URL": url}),
+    ]
+    for out in runs:
+        text = out.stdout + out.stderr
+        assert password not in text and encoded not in text and "cret" not in text, text
+    assert [out.returncode for out in runs] == [EXIT_UNAVAILABLE] * 4 + [0, EXIT_UNAVAILABLE]
+    assert f"dblock:***@127.0.0.1:{port}/app" in runs[0].stderr  # says where, without the secret
+    assert "CREATE TABLE locks" in runs[4].stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["frobnicate"],
+        ["run"],
+        ["run", "x"],
+        ["run", "x", "--"],
+        ["run", "x", "true"],
+        ["run", "", "--", "true"],
+        ["run", "x", "--ttl", "-1", "--", "true"],
+        ["run", "x", "--ttl", "soon", "--", "true"],
+        ["run", "x", "--wait", "-2", "--", "true"],
+        ["run", "x", "--grace", "nan", "--", "true"],
+        ["run", "x", "--bogus", "--", "true"],
+        ["run", "x", "--table", "no way", "--", "true"],
+        ["run", "x", "--schema", "s", "--", "true"],
+        ["run", "x", "--url", "mysql://u@h/db", "--", "true"],
+        ["run", "x", "--url", "not a url", "--", "true"],
+        ["status", "--schema", "s"],
+        ["release", "x"],
+        ["release", "x", "--force"],
+        ["migrate", "--table", "1x"],
+    ],
+)
+def test_bad_arguments_exit_2_with_usage_and_touch_nothing(
+    tmp_path: Path, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In-process for speed: the same main() the console script calls (which the next test runs).
+    home = tmp_path / "home"
+    monkeypatch.setenv("DBLOCK_HOME", str(home))
+    monkeypatch.delenv("DBLOCK_URL", raising=False)
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert "usage: dblock" in err and "error:" in err and out == ""
+    assert not home.exists()  # the embedded default was not even created
+
+
+@pytest.mark.parametrize("args", [[], ["run", "x", "--ttl", "-1", "--", "true"], ["release", "x"]])
+def test_bad_arguments_through_the_console_script(tmp_path: Path, args: list[str]) -> None:
+    cli = Cli(None, tmp_path)
+    out = subprocess.run([str(DBLOCK), *args], env=cli.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("usage: dblock") and "error:" in out.stderr and out.stdout == ""
+    assert not cli.home.exists()
+
+
+def test_bad_arguments_leave_a_held_lock_alone(pg_cli: Cli, tmp_path: Path) -> None:
+    cli = pg_cli
+    assert cli.db is not None
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "30")
+    before = cli.db.rows()
+    for args in (["run", "job", "--ttl", "0", "--", "true"], ["release", "job"], ["release", "job", "--force"]):
+        assert cli(*args).returncode == 2
+    assert cli.db.rows()[0][:3] == before[0][:3]  # same holder, same token (the expiry moves: renewal)
+    (tmp_path / "w" / "stop").touch()
+    assert finish(holder)[0] == 0
