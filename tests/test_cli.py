@@ -164,6 +164,14 @@ def test_concurrent_runs_never_hold_one_name_at_once(cli: Cli, tmp_path: Path) -
     assert (tmp_path / "log").read_text() == "start\nend\n" * inside
 
 
+def test_concurrent_first_runs_on_a_fresh_embedded_default(embedded: Cli, tmp_path: Path) -> None:
+    """They race to create the SQLite file and its table, then take turns."""
+    runs = [embedded.start("run", "crit", "--wait", "60", "--", PY, "-c", CRITICAL, str(tmp_path)) for _ in range(3)]
+    results = [finish(p) for p in runs]
+    assert [r[0] for r in results] == [0, 0, 0], results
+    assert (tmp_path / "log").read_text() == "start\nend\n" * 3
+
+
 def test_renewal_keeps_a_one_second_lease_through_a_long_command(pg_cli: Cli, tmp_path: Path) -> None:
     # PostgreSQL only, to keep the suite quick: test_renew.py renews on both backends.
     cli = pg_cli
