@@ -18,6 +18,10 @@ from .conftest import Db, libpq_dsn
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def sh_blocks() -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
 def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
@@ -69,3 +73,15 @@ def test_quickstart_runs_on_the_embedded_default(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "fencing token 1" in out.stdout and "leases held now: []" in out.stdout
+
+
+def test_first_command_runs_under_a_lock_on_the_embedded_default(tmp_path: Path) -> None:
+    """The README's first command, after its install step: the installed console script."""
+    first = sh_blocks()[0].strip()
+    assert first.startswith("python3 -m venv .venv && .venv/bin/pip install -q . && .venv/bin/dblock run ")
+    command = first.split(" && ", 2)[2].replace(".venv/bin/", "", 1)
+    bin_dir = Path(sys.executable).parent
+    env = {"DBLOCK_HOME": str(tmp_path), "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    out = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "holding nightly, fencing token 1\n"
