@@ -78,17 +78,18 @@ class PgProxy:
 
     def close(self) -> None:
         self._closing = True
-        self._flowing.set()
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept(); close() alone does not
-        except OSError:
-            pass
+        # shutdown() before close(): it wakes a thread blocked in accept() or
+        # recv() and sends the FIN; close() alone does neither while another
+        # thread is in a call on the socket, and the server session would wait
+        # for ever (holding the locks of a statement sent without its Sync).
+        _shutdown(self.listener, *self._socks)
         self.listener.close()
         for s in list(self._socks):
             try:
                 s.close()
             except OSError:
                 pass
+        self._flowing.set()  # paused threads wake to dead sockets and end
 
     # -- plumbing ----------------------------------------------------------
     def _accept(self) -> None:
