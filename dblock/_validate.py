@@ -23,20 +23,25 @@ def _number(value: object, what: str) -> float:
     return number
 
 
-def check_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"lock name must be a str, not {type(name).__name__}")
-    if not name:
-        raise ValueError("lock name must not be empty")
-    if len(name) > MAX_NAME_LENGTH:
-        raise ValueError(f"lock name is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}")
-    if "\x00" in name:
-        raise ValueError("lock name must not contain NUL characters")
+def check_text(value: object, what: str, limit: int = MAX_NAME_LENGTH) -> str:
+    """A str of 1 to ``limit`` characters, no NUL, valid Unicode (lock names, labels, resources)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{what} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value)} characters long; the limit is {limit}")
+    if "\x00" in value:
+        raise ValueError(f"{what} must not contain NUL characters")
     try:
-        name.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"lock name is not valid Unicode text: {exc.reason}") from None
-    return name
+        raise ValueError(f"{what} is not valid Unicode text: {exc.reason}") from None
+    return value
+
+
+def check_name(name: object) -> str:
+    return check_text(name, "lock name")
 
 
 def check_ttl(ttl: object) -> float:

@@ -26,7 +26,7 @@ from sqlalchemy.pool import NullPool
 
 from . import statements
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
-from ._validate import check_identifier, check_interval, check_name, check_timeout, check_ttl
+from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
 from .errors import LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
 from .renew import OnLost
@@ -68,7 +68,7 @@ class Locker:
         if url is None and self.schema is not None:
             # Checked before _engine, which creates the embedded default's directory.
             raise ValueError("schema is not supported on SQLite (the embedded default); leave it None")
-        self.label = None if label is None else _check_label(label)
+        self.label = None if label is None else check_text(label, "label", LABEL_LENGTH)
         self.ttl = check_ttl(ttl)
         self.timeout = check_timeout(timeout)
         self.poll_min = check_interval(poll_min, "poll_min")
@@ -368,20 +368,6 @@ def _check_renew(renew: object, on_lost: object) -> None:
             raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
         if not renew:
             raise ValueError("on_lost is called by renewal: pass renew=True with it")
-
-
-def _check_label(label: object) -> str:
-    if not isinstance(label, str):
-        raise TypeError(f"label must be a str, not {type(label).__name__}")
-    if not label or len(label) > LABEL_LENGTH:
-        raise ValueError(f"label must be 1 to {LABEL_LENGTH} characters long, not {len(label)}")
-    if "\x00" in label:
-        raise ValueError("label must not contain NUL characters")
-    try:
-        label.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"label is not valid Unicode text: {exc.reason}") from None
-    return label
 
 
 # scheme://user:password@ -> scheme://user:***@ (a command line may carry a database URL)

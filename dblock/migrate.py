@@ -21,6 +21,14 @@ def migrations_dir() -> Path:
     raise FileNotFoundError(f"dblock's migrations are missing (looked in {here / '_migrations'})")
 
 
+def target() -> tuple[str, str | None]:
+    """For dblock's migration scripts: the (table, schema) being migrated."""
+    from alembic import context
+
+    attributes = context.config.attributes
+    return attributes["dblock_table"], attributes["dblock_schema"]
+
+
 def alembic_config(table: str, schema: str | None) -> Config:
     cfg = Config(stdout=io.StringIO())
     cfg.set_main_option("script_location", str(migrations_dir()))

@@ -8,7 +8,9 @@ Create Date: 2026-11-21
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
+
+from dblock.migrate import target
 
 revision = "dblock_0001"
 down_revision = None
@@ -16,13 +18,8 @@ branch_labels = ("dblock",)
 depends_on = None
 
 
-def _target() -> tuple[str, str | None]:
-    attributes = context.config.attributes
-    return attributes["dblock_table"], attributes["dblock_schema"]
-
-
 def upgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
     postgresql = op.get_bind().dialect.name == "postgresql"
     # Times: timestamptz on PostgreSQL; Unix seconds on SQLite, which has no time type.
     timestamp = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite")
@@ -53,7 +50,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
     op.drop_table(table, schema=schema)
     if op.get_bind().dialect.name == "postgresql":
         op.execute(sa.schema.DropSequence(sa.Sequence(f"{table}_token_seq", schema=schema), if_exists=True))

@@ -8,8 +8,9 @@ Create Date: 2026-11-21
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
 
+from dblock.migrate import target
 from dblock.schema import fences_table_name
 
 revision = "dblock_0002"
@@ -18,13 +19,9 @@ branch_labels = None
 depends_on = None
 
 
-def _target() -> tuple[str, str | None]:
-    attributes = context.config.attributes
-    return fences_table_name(attributes["dblock_table"]), attributes["dblock_schema"]
-
-
 def upgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
+    table = fences_table_name(table)
     op.create_table(
         table,
         sa.Column("resource", sa.String(255), primary_key=True),
@@ -34,5 +31,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
+    table = fences_table_name(table)
     op.drop_table(table, schema=schema)

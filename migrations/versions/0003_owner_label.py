@@ -8,7 +8,9 @@ Create Date: 2026-11-22
 from __future__ import annotations
 
 import sqlalchemy as sa
-from alembic import context, op
+from alembic import op
+
+from dblock.migrate import target
 
 revision = "dblock_0003"
 down_revision = "dblock_0002"
@@ -16,18 +18,13 @@ branch_labels = None
 depends_on = None
 
 
-def _target() -> tuple[str, str | None]:
-    attributes = context.config.attributes
-    return attributes["dblock_table"], attributes["dblock_schema"]
-
-
 def upgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
     # Nullable with no default: on PostgreSQL a catalog-only change (no table
     # rewrite, no long lock); rows granted before it read NULL until re-granted.
     op.add_column(table, sa.Column("label", sa.String(255), nullable=True), schema=schema)
 
 
 def downgrade() -> None:
-    table, schema = _target()
+    table, schema = target()
     op.drop_column(table, "label", schema=schema)
