@@ -42,6 +42,7 @@ def main() -> None:
     locker = Locker(sa_url, table=table)
     locker.create_schema()
     sql = locker._sql  # the very statements dblock sends, for the hand-written baseline
+    label = locker._label()
     raw = psycopg.connect(dsn, autocommit=True)
 
     def select1() -> None:
@@ -50,7 +51,8 @@ def main() -> None:
 
     def hand_written() -> None:
         owner = secrets.token_hex(16)
-        (_, token, _, _) = raw.execute(sql.acquire, {"name": "hand", "owner": owner, "ttl": 30.0}).fetchone()
+        params = {"name": "hand", "owner": owner, "ttl": 30.0, "label": label}
+        (_, token, _, _) = raw.execute(sql.acquire, params).fetchone()
         raw.execute(sql.release, {"name": "hand", "owner": owner, "token": token}).fetchall()
 
     def advisory() -> None:
