@@ -71,6 +71,10 @@ class Driver:
             raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         return _Conn(raw)
 
+    def listen_connection(self) -> Any:
+        """A new autocommit psycopg connection for the listener, outside the pool."""
+        return self._connect().raw
+
     def _get(self) -> _Conn:
         if self._pid != os.getpid():
             # A forked child must not talk over its parent's sockets, and must not
@@ -178,6 +182,13 @@ class Driver:
             isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
         ):
             return SchemaMissing(f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}")
+        if isinstance(exc, psycopg.errors.UndefinedColumn) or (
+            isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
+        ):
+            return SchemaMissing(
+                f"dblock's table {self.table!r} in {self.where} is from an older dblock ({_first_line(exc)}): "
+                f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}"
+            )
         if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
             waited = SQLITE_BUSY_TIMEOUT_MS / 1000 if budget is None else min(budget, SQLITE_BUSY_TIMEOUT_MS / 1000)
             return Busy(f"{self.where} stayed locked by another writer for {waited:g} s")

@@ -26,6 +26,7 @@ from sqlalchemy.pool import NullPool
 
 from . import statements
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
+from ._wait import Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
 from .errors import LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
@@ -49,6 +50,15 @@ class Locker:
     ``label`` is written next to each lease this Locker grants so that an
     operator can tell who holds it (``dblock status``); by default
     ``"host:pid command line"`` of this process.
+
+    Waiting (``acquire``, ``lock``), see the README's "Waiting": on PostgreSQL
+    with ``fair=True`` waiters queue in the lock's row, first come first
+    served, and a release hands the lease to the first live waiter in the same
+    statement; with ``notify=True`` that waiter is woken by NOTIFY through one
+    listener connection per Locker, otherwise it polls. ``fair=False`` (and
+    SQLite) waits by polling with backoff, never past the current lease's
+    known expiry, and threads of this process waiting for one name queue
+    locally so only the first of them polls.
     """
 
     def __init__(
@@ -62,6 +72,8 @@ class Locker:
         poll_min: float = 0.01,
         poll_max: float = 0.5,
         label: str | None = None,
+        fair: bool = True,
+        notify: bool = True,
     ) -> None:
         self.table = check_identifier(table, "table")
         self.schema = None if schema is None else check_identifier(schema, "schema")
@@ -75,12 +87,19 @@ class Locker:
         self.poll_max = check_interval(poll_max, "poll_max")
         if self.poll_max < self.poll_min:
             raise ValueError(f"poll_max ({poll_max:g}) must not be smaller than poll_min ({poll_min:g})")
+        for option, value in (("fair", fair), ("notify", notify)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
+        self.fair, self.notify = fair, notify
         self.engine, self._needs_migration = _engine(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = self.engine.url.render_as_string(hide_password=True)
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
         self._driver = Driver(self.engine, where, self.table)
+        self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue in the row
+        self._listener = Listener(self._driver.listen_connection) if self._queued and notify else None
+        self._hot = Hotspot()
         self._migrated = threading.Lock()
         self._default_label = ("", -1)  # (label, pid it was made in)
 
@@ -160,25 +179,132 @@ class Locker:
     def _acquire(self, name: str, ttl: float, timeout: float) -> Lease:
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
-        delay = self.poll_min
-        while True:
-            try:
-                lease, wait = self._attempt(name, owner, ttl, budget=deadline - time.monotonic())
-            except Busy:  # SQLite: another writer held the file for all the time we had
-                lease, wait = None, None
-            if lease is not None:
-                return lease
-            left = deadline - time.monotonic()
-            if left <= 0:
+        if timeout <= 0:
+            lease, _ = self._attempt(name, owner, ttl, budget=0.001)
+            if lease is None:
                 raise LockNotAcquired(name, timeout)
-            pause = delay + random.random() * delay
-            if wait is not None:
-                # The holder's lease ends in `wait` s (database clock): no
-                # point polling before then, nor sleeping past it.
-                pause = min(pause, max(wait, 0.001))
-            delay = min(delay * 2, self.poll_max)
-            log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
-            time.sleep(min(pause, left))
+            return lease
+        if self._queued:
+            return self._wait_in_queue(name, owner, ttl, timeout, deadline)
+        return self._wait_in_line(name, owner, ttl, timeout, deadline)
+
+    def _wait_in_line(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
+        """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO)."""
+        me = self._hot.join(name)
+        try:
+            if not me.wait(_seconds(deadline - time.monotonic())):
+                raise LockNotAcquired(name, timeout)  # never reached the head of the local line
+            delay = self.poll_min
+            while True:
+                me.clear()  # set again by a release in this process: try at once
+                try:
+                    lease, wait = self._attempt(name, owner, ttl, budget=deadline - time.monotonic())
+                except Busy:  # SQLite: another writer held the file for all the time we had
+                    lease, wait = None, None
+                if lease is not None:
+                    return lease
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LockNotAcquired(name, timeout)
+                pause = self._backoff(delay, wait)
+                delay = min(delay * 2, self.poll_max)
+                log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
+                me.wait(min(pause, left))
+        finally:
+            self._hot.leave(name, me)
+
+    def _backoff(self, delay: float, wait: float | None) -> float:
+        """A jittered pause in [delay, 2 delay), cut short at the holder's known expiry."""
+        pause = delay + random.random() * delay
+        if wait is not None:
+            # The holder's lease ends in `wait` s (database clock): no point
+            # polling before then, nor sleeping past it.
+            pause = min(pause, max(wait, 0.001))
+        return pause
+
+    def _wait_in_queue(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
+        """Fair waiting on PostgreSQL: queue in the row, be handed the lease by a release."""
+        self._ensure_schema()
+        listener = self._listener
+        slot, ident = None, None
+        if listener is not None:
+            owner = listener.owner_id()  # hand-offs to it are notified on this listener's channel
+            slot, ident = listener.register(owner)
+        queued_at: float | None = None  # send time of the last attempt that queued us
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if listener is not None:
+                    ident = listener.ident
+                # Poll (or fall back) at most every 2 x poll_max; an entry not
+                # refreshed well after that is skipped as dead.
+                lapse = min(left, 4 * self.poll_max + 1.0)
+                sent_at = time.monotonic()
+                rows, _, _ = self._driver.run(
+                    self._sql.enqueue,  # type: ignore[arg-type]
+                    {
+                        "name": name, "owner": owner, "ttl": ttl, "label": self._label(), "lapse": lapse,
+                        "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
+                    },
+                )
+                if not rows:
+                    continue  # a concurrent first acquire created the row just now: look again
+                granted, token, expires_at, wait, ahead = rows[0]
+                if granted:
+                    return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at)
+                queued_at = sent_at
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if slot is not None and ident is not None:
+                    pause = self.poll_max + random.random() * self.poll_max  # fallback only
+                    if wait is not None:
+                        pause = min(pause, max(wait, 0.001))
+                    slot.event.wait(min(pause, left))
+                    if slot.grant is not None:
+                        token, expiry = slot.grant
+                        lease = self._handed(name, owner, ttl, token, _when(expiry), queued_at)
+                        if lease is not None:
+                            return lease
+                        slot.grant = None  # handed, then lost before we could use it: wait on
+                    slot.event.clear()
+                else:
+                    # Polling: nobody will wake us, and a lease handed to us sits
+                    # unused until we look. The first in line looks every poll_min;
+                    # the others back off with their place in the queue.
+                    delay = min(self.poll_min * (1 + (ahead or 0)), self.poll_max)
+                    pause = self._backoff(delay, wait)
+                    time.sleep(min(pause, left))
+                if pause >= left or time.monotonic() >= deadline:
+                    break  # slept to the deadline (the sleep may end a hair early)
+            # Out of time: leave the queue, unless a release handed us the lease first.
+            rows, _, _ = self._driver.run(self._sql.cancel, {"name": name, "owner": owner})  # type: ignore[arg-type]
+            if rows and rows[0][0] and queued_at is not None:
+                lease = self._handed(name, owner, ttl, rows[0][1], _when(rows[0][2]), queued_at)
+                if lease is not None:
+                    return lease
+            raise LockNotAcquired(name, timeout)
+        finally:
+            if listener is not None:
+                listener.unregister(owner)
+
+    def _handed(
+        self, name: str, owner: str, ttl: float, token: int, expires_at: datetime, queued_at: float
+    ) -> Lease | None:
+        """A lease a release handed us, or None if it was lost before we woke.
+
+        It was granted after our last queueing attempt was sent, so that send
+        time + ttl is a safe start of trust (G5). If the wait ate half the ttl,
+        one extend renews it; if meanwhile it expired and someone else took it
+        over, the caller goes on waiting.
+        """
+        lease = Lease(self, name, owner, token, expires_at, ttl, queued_at)
+        if lease.remaining() < ttl / 2:
+            try:
+                self._extend(lease, None)
+            except LeaseLost:
+                return None
+        return lease
 
     def lock(
         self,
@@ -244,7 +370,10 @@ class Locker:
         # Before the statement: a renewal extend that finds the row cleared by
         # this release must not take it for a loss.
         lease._released = True
-        return self._end(_key(lease))
+        ended = self._end(_key(lease))
+        if not self._queued:  # fair waiters are handed the lease by the release itself
+            self._hot.released(lease.name)
+        return ended
 
     def _end(self, key: dict[str, Any]) -> bool:
         rows, _, retried = self._driver.run(self._sql.release, key)
@@ -316,6 +445,8 @@ class Locker:
 
     def close(self) -> None:
         """Close dblock's own connections (leases stay granted until released or expired)."""
+        if self._listener is not None:
+            self._listener.close()
         self._driver.close()
 
     def __enter__(self) -> Locker:
@@ -354,6 +485,11 @@ class _LockContext:
         lease, self._lease = self._lease, None
         if lease is not None:
             self._locker._exit(lease, exc is not None)
+
+
+def _seconds(value: float) -> float | None:
+    """A timeout for Event.wait: None for ever, never negative."""
+    return None if value == math.inf else max(value, 0.0)
 
 
 def _key(lease: Lease) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import platformdirs
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Column,
     DateTime,
@@ -19,6 +20,7 @@ from sqlalchemy import (
     String,
     Table,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 
 DEFAULT_TABLE = "locks"
 OWNER_LENGTH = 32  # 128 random bits as hex
@@ -49,7 +51,8 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
     updates. SQLite takes the next token as max(token) + 1 inside its
     single-writer transaction and needs an index on token for that.
     ``label`` (migration 0003) says who took the latest grant, for operators;
-    no statement compares it.
+    no statement compares it. ``queue`` (migration 0004) lists the waiters
+    of a held lock in fair mode, oldest first; NULL when nobody waits.
     """
     md = metadata if metadata is not None else MetaData()
     t = Table(
@@ -61,6 +64,7 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
         Column("acquired_at", Timestamp, nullable=False),
         Column("expires_at", Timestamp, nullable=True),
         Column("label", String(LABEL_LENGTH), nullable=True),
+        Column("queue", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
         schema=schema,
     )
     return t

@@ -1,6 +1,9 @@
 """One process of the G1/G2 race: threads hammering one lock name with tiny TTLs.
 
-Usage: python race_worker.py URL TABLE NAME TTL THREADS START_AT DURATION
+Usage: python race_worker.py URL TABLE NAME TTL THREADS START_AT DURATION [MODE]
+MODE is how threads take the lock: "try" (try_acquire in a loop, the default),
+or a blocking acquire with a short timeout (5 TTLs, at least 50 ms): "fair" (queue + NOTIFY hand-off),
+"fair-poll" (queue, polling), "line" (fair=False: local line + polling).
 START_AT is a time.monotonic() value (one clock for every process on the
 machine) so all processes start together. Prints one JSON line per grant:
 [token, received_at, trusted_until] in monotonic seconds, where trusted_until
@@ -15,13 +18,25 @@ import sys
 import threading
 import time
 
-from dblock import Locker
+from dblock import Lease, Locker, LockNotAcquired
+
+MODES = {"try": {}, "fair": {}, "fair-poll": {"notify": False}, "line": {"fair": False}}
 
 
 def main() -> None:
     url, table, name = sys.argv[1:4]
     ttl, threads, start_at, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
-    locker = Locker(url, table=table)
+    mode = sys.argv[8] if len(sys.argv) > 8 else "try"
+    locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **MODES[mode])  # type: ignore[arg-type]
+
+    def take() -> Lease | None:
+        if mode == "try":
+            return locker.try_acquire(name, ttl=ttl)
+        try:
+            return locker.acquire(name, ttl=ttl, timeout=max(0.05, 5 * ttl))
+        except LockNotAcquired:
+            return None
+
     grants: list[list[float]] = []
     guard = threading.Lock()
 
@@ -29,11 +44,14 @@ def main() -> None:
         rng = random.Random()
         while time.monotonic() < start_at:
             time.sleep(0.001)
-        end = start_at + duration
-        while time.monotonic() < end:
-            lease = locker.try_acquire(name, ttl=ttl)
+        end, last = start_at + duration, start_at + 10 * duration
+        # Run DURATION, and longer (up to 10x) while this process has fewer than
+        # 40 grants: a stalled machine must not turn the race into no race.
+        while time.monotonic() < end or (len(grants) < 40 and time.monotonic() < last):
+            lease = take()
             if lease is None:
-                time.sleep(rng.random() * 0.002)
+                if mode == "try":
+                    time.sleep(rng.random() * 0.002)
                 continue
             received = time.monotonic()
             trusted_until = received + lease.remaining()

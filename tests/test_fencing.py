@@ -184,7 +184,7 @@ def test_pause_in_a_thread_past_the_ttl(db: Db, counter: Counter) -> None:
 
 def test_pause_in_a_process_stopped_with_sigstop(db: Db, counter: Counter) -> None:
     proc = subprocess.Popen(
-        [sys.executable, WORKER, "pause", db.url, db.table, counter.name, "0.2"],
+        [sys.executable, WORKER, "pause", db.url, db.table, counter.name, "1.0"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

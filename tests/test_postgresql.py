@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 
 from dblock import Locker, LockNotAcquired
 
-from .conftest import Db, libpq_dsn, wait_for
+from .conftest import Db, libpq_dsn, wait_for, warm_waiting
 from .pgproxy import PgProxy
 
 
@@ -160,11 +160,12 @@ def test_tokens_grow_and_leases_survive_a_database_crash(pg: Db, pg_server) -> N
     assert locker.try_acquire("held").token > after.token
 
 
-def test_waiter_sleeps_until_the_known_expiry_not_the_backoff(pg: Db, proxy: PgProxy) -> None:
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "polling"])
+def test_waiter_sleeps_until_the_known_expiry_not_the_backoff(pg: Db, proxy: PgProxy, fair: bool) -> None:
     """With a 60 s backoff, a waiter still takes a lock that expires in 0.2 s, in 2-3 attempts."""
     pg.locker().try_acquire("exp", ttl=0.2)
-    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60)
-    locker.try_acquire("warm").release()
+    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60, fair=fair)
+    warm_waiting(pg, locker)
     before = proxy.round_trips
     lease = locker.acquire("exp", timeout=30)
     assert lease is not None
@@ -172,15 +173,17 @@ def test_waiter_sleeps_until_the_known_expiry_not_the_backoff(pg: Db, proxy: PgP
     locker.close()
 
 
-def test_timeout_is_honoured_with_a_long_backoff(pg: Db, proxy: PgProxy) -> None:
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "polling"])
+def test_timeout_is_honoured_with_a_long_backoff(pg: Db, proxy: PgProxy, fair: bool) -> None:
     """A 60 s backoff never makes a 0.1 s timeout wait longer: the last attempt is at the deadline."""
     pg.locker().try_acquire("long", ttl=60)
-    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60)
-    locker.try_acquire("warm").release()
+    locker = Locker(proxy.url, table=pg.table, poll_min=60, poll_max=60, fair=fair)
+    warm_waiting(pg, locker)
     before = proxy.round_trips
     with pytest.raises(LockNotAcquired):
         locker.acquire("long", timeout=0.1)
-    assert proxy.round_trips - before == 2  # the first attempt and the one at the deadline
+    # The first attempt, and the one at the deadline (fair: leaving the queue).
+    assert proxy.round_trips - before == 2
     locker.close()
 
 

@@ -1,0 +1,459 @@
+"""Waiting: the fair queue with NOTIFY hand-offs (PostgreSQL), the local line, timeouts.
+
+Wake-ups are asserted by statement counts (a waiter woken by a hand-off sends
+nothing after joining the queue) and by who got which token, never by time.
+Waiters that must not poll get a 60 s backoff: a poll would show in the
+count, and a missed wake-up would hang the test instead of passing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dblock import Lease, Locker, LockNotAcquired, _wait
+from dblock._wait import Hotspot
+
+from .conftest import Db, wait_for, warm_waiting
+from .pgproxy import PgProxy
+
+HERE = Path(__file__).resolve().parent
+SLOW = {"poll_min": 60.0, "poll_max": 60.0}  # no poll or fallback wake-up within a test's life
+
+
+@pytest.fixture
+def proxy(pg: Db):
+    p = PgProxy(pg.url)
+    yield p
+    p.close()
+
+
+def queue(db: Db, name: str) -> list[dict[str, Any]]:
+    rows = db.query(f"SELECT queue FROM {db.table} WHERE name = %s", (name,))
+    value = rows[0][0] if rows else None
+    return json.loads(value) if isinstance(value, str) else (value or [])
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def joined(t: threading.Thread, out: dict[str, Any]) -> Any:
+    t.join(timeout=30)
+    assert not t.is_alive(), "the waiter never woke"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def waiter_process(db: Db, name: str, timeout: float = 60, mode: str = "fair") -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "wait_worker.py"), db.url, db.table, name, str(timeout), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+# -- wake on release ---------------------------------------------------------------
+def test_release_hands_the_lease_to_the_queued_waiter_and_wakes_it(pg: Db, proxy: PgProxy) -> None:
+    holder = pg.locker()
+    waiter = Locker(proxy.url, table=pg.table, **SLOW)
+    warm_waiting(pg, waiter)
+    held = holder.try_acquire("n", ttl=60)
+    proxy.reset()
+    t, out = in_thread(lambda: waiter.acquire("n", timeout=120))
+    wait_for(lambda: len(queue(pg, "n")) == 1, what="the waiter to join the queue")
+    assert held.release() is True
+    lease: Lease = joined(t, out)
+    # The release granted it (a fresh token, the waiter's owner id) and woke it:
+    # the waiter sent its one enqueue and nothing after.
+    assert proxy.round_trips == 1
+    assert lease.token > held.token
+    assert pg.query(f"SELECT owner, token FROM {pg.table} WHERE name = 'n'") == [(lease.owner, lease.token)]
+    assert queue(pg, "n") == []
+    assert 0 < lease.remaining() <= lease.ttl
+    assert lease.release() is True
+    waiter.close()
+
+
+def test_waiters_are_served_in_arrival_order_across_processes(pg: Db) -> None:
+    """FIFO: four processes queue one after another; each releases at once, handing on to the next."""
+    holder = pg.locker()
+    held = holder.try_acquire("fifo", ttl=60)
+    procs = []
+    for i in range(4):
+        procs.append(waiter_process(pg, "fifo"))
+        wait_for(lambda: len(queue(pg, "fifo")) == i + 1, what=f"waiter {i} to queue")
+    assert held.release() is True
+    tokens = []
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert out.startswith("granted"), out
+        tokens.append(int(out.split()[1]))
+    assert tokens == sorted(tokens) and tokens[0] > held.token, "grants did not follow the queue order"
+
+
+def test_a_queued_waiter_is_not_starved_by_a_busy_neighbour(pg: Db) -> None:
+    """A thread that takes and releases the lock in a tight loop cannot jump the queue."""
+    busy, patient = pg.locker(), pg.locker()
+    stop = threading.Event()
+    grants: list[int] = []
+
+    def hog() -> None:
+        while not stop.is_set():
+            lease = busy.acquire("hot", timeout=30)
+            grants.append(lease.token)
+            lease.release()
+
+    queued_at: list[int] = []  # the hog's grant count when the patient's enqueue came back "queued"
+    execute = patient._driver._execute
+
+    def watch(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+        rows = execute(conn, sql, params)
+        if sql == patient._sql.enqueue and rows and not rows[0][0]:
+            queued_at.append(len(grants))
+        return rows
+
+    patient._driver._execute = watch  # type: ignore[method-assign]
+    t = threading.Thread(target=hog)
+    t.start()
+    wait_for(lambda: len(grants) > 20, what="the busy loop to run")
+    try:
+        queued_rounds = 0
+        for _ in range(50):
+            queued_at.clear()
+            lease = patient.acquire("hot", timeout=30)
+            got_at = len(grants)
+            lease.release()
+            if queued_at:
+                # Once queued, the patient is next: the hog's lease of that moment
+                # is the last it gets before the patient (its append may trail its grant).
+                assert got_at - queued_at[0] <= 1
+                queued_rounds += 1
+        assert queued_rounds >= 5, "the patient hardly ever had to queue: the test did not test"
+    finally:
+        stop.set()
+        t.join(timeout=30)
+
+
+# -- lost wake-ups --------------------------------------------------------------------
+def test_a_holder_that_never_releases_is_followed_at_its_expiry(pg: Db, proxy: PgProxy) -> None:
+    """No release, so no notification: the waiter wakes at the expiry it learned, polls once, wins."""
+    waiter = Locker(proxy.url, table=pg.table, **SLOW)
+    warm_waiting(pg, waiter)
+    holder = subprocess.Popen(
+        [sys.executable, str(HERE / "holder_worker.py"), pg.url, pg.table, "crash", "2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    dead_token = int(holder.stdout.readline())  # type: ignore[union-attr]
+    holder.kill()
+    holder.wait()
+    proxy.reset()
+    lease = waiter.acquire("crash", timeout=30)
+    assert lease.token > dead_token
+    assert proxy.round_trips == 2  # queue (learning the expiry), then the poll at the expiry
+    waiter.close()
+
+
+def test_a_hand_off_whose_notification_is_lost_is_found_by_polling(pg: Db) -> None:
+    """The listener's connection dies while the waiter is queued: it polls instead, and gets the lease."""
+    holder = pg.locker()
+    waiter = pg.locker(poll_min=0.01, poll_max=0.05)
+    warm_waiting(pg, waiter)
+    held = holder.try_acquire("lost", ttl=60)
+    t, out = in_thread(lambda: waiter.acquire("lost", timeout=60))
+    wait_for(lambda: len(queue(pg, "lost")) == 1, what="the waiter to queue")
+    assert waiter._listener is not None and waiter._listener.ident is not None
+    pid = waiter._listener.ident[0]
+    pg.query("SELECT pg_terminate_backend(%s)", (pid,))
+    assert held.release() is True
+    lease = joined(t, out)
+    assert lease.token > held.token
+    waiter.close()
+
+
+def test_a_waiter_whose_process_died_is_skipped(pg: Db) -> None:
+    """Its listener session is gone, so the release hands the lease to the next live waiter."""
+    holder = pg.locker()
+    held = holder.try_acquire("dead", ttl=60)
+    doomed = waiter_process(pg, "dead")
+    wait_for(lambda: len(queue(pg, "dead")) == 1, what="the doomed waiter to queue")
+    doomed_pid = queue(pg, "dead")[0]["p"]
+    survivor = pg.locker(**SLOW)
+    t, out = in_thread(lambda: survivor.acquire("dead", timeout=60))
+    wait_for(lambda: len(queue(pg, "dead")) == 2, what="the survivor to queue")
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+    wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (doomed_pid,)),
+             what="the dead process's session to end")
+    assert held.release() is True
+    lease = joined(t, out)
+    assert pg.query(f"SELECT owner FROM {pg.table} WHERE name = 'dead'") == [(lease.owner,)]
+    assert queue(pg, "dead") == []
+    survivor.close()
+
+
+def test_a_waiter_that_stopped_refreshing_is_skipped(pg: Db) -> None:
+    """A polling waiter (no listener session to check) that died drops out when its entry lapses."""
+    holder = pg.locker()
+    held = holder.try_acquire("lapse", ttl=60)
+    doomed = waiter_process(pg, "lapse", timeout=0.5, mode="poll")
+    wait_for(lambda: len(queue(pg, "lapse")) == 1, what="the doomed waiter to queue")
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+    wait_for(
+        lambda: pg.query(
+            f"SELECT extract(epoch FROM now()) > (queue->0->>'d')::float8 FROM {pg.table} WHERE name = 'lapse'"
+        ) == [(True,)],
+        what="the entry to lapse",
+    )
+    survivor = pg.locker(**SLOW)
+    t, out = in_thread(lambda: survivor.acquire("lapse", timeout=60))
+    wait_for(lambda: [e["o"] for e in queue(pg, "lapse")] != [] and len(queue(pg, "lapse")) == 1
+             and queue(pg, "lapse")[0]["p"] is not None, what="the survivor to queue alone")
+    assert held.release() is True
+    lease = joined(t, out)
+    assert lease.token > held.token
+    survivor.close()
+
+
+# -- timeouts -----------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"notify": False}, {"fair": False}], ids=["fair", "fair-poll", "line"])
+def test_a_timeout_with_no_wake_up_leaves_nothing_behind(db: Db, options: dict[str, bool]) -> None:
+    holder = db.locker()
+    held = holder.try_acquire("t", ttl=60)
+    waiter = db.locker(**options, **SLOW)
+    started = time.monotonic()
+    with pytest.raises(LockNotAcquired):
+        waiter.acquire("t", timeout=0.3)
+    assert time.monotonic() - started >= 0.3  # it did wait the whole timeout
+    if db.backend == "postgresql":
+        assert queue(db, "t") == []
+    assert len(waiter._hot) == 0
+    assert waiter._listener is None or waiter._listener.waiting() == 0
+    assert held.release() is True
+    assert waiter.try_acquire("t") is not None  # nobody was handed it
+
+
+def test_a_hand_off_at_the_deadline_is_kept(pg: Db) -> None:
+    """The release hands over just before the waiter gives up: leaving the queue finds the lease its own."""
+    holder = pg.locker()
+    held = holder.try_acquire("edge", ttl=60)
+    waiter = pg.locker(notify=False, **SLOW)  # it sleeps to its deadline, no poll in between
+    t, out = in_thread(lambda: waiter.acquire("edge", timeout=1.0))
+    wait_for(lambda: len(queue(pg, "edge")) == 1, what="the waiter to queue")
+    assert held.release() is True
+    lease = joined(t, out)
+    assert lease.token > held.token
+    assert lease.release() is True
+
+
+def test_joining_the_queue_waits_for_a_concurrent_change_and_keeps_it(pg: Db) -> None:
+    """EvalPlanQual: an enqueue blocked by another transaction's change to the row re-reads it, losing nothing."""
+    holder, waiter = pg.locker(), pg.locker(**SLOW)
+    holder.try_acquire("epq", ttl=60)
+    conn = pg.connect()
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""UPDATE {pg.table} SET queue = '[{{"o": "other", "t": 5, "l": null, "p": null, "s": null,
+        "d": 1e12}}]'::jsonb WHERE name = 'epq'"""
+    )
+    t, out = in_thread(lambda: waiter.acquire("epq", timeout=2))
+    wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
+             what="the enqueue to wait for the row lock")
+    conn.execute("COMMIT")
+    conn.close()
+    wait_for(lambda: len(queue(pg, "epq")) == 2, what="the enqueue to finish")
+    assert [e["o"] for e in queue(pg, "epq")][0] == "other"
+    with pytest.raises(LockNotAcquired):
+        joined(t, out)
+    assert [e["o"] for e in queue(pg, "epq")] == ["other"]
+
+
+# -- resources ------------------------------------------------------------------------
+def test_one_listener_connection_however_many_waits(pg: Db, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_wait, "IDLE_CLOSE", 0.5)
+    holder, waiter = pg.locker(), pg.locker()
+    sessions: set[int] = set()
+
+    def contend() -> None:
+        for _ in range(10):
+            lease = waiter.acquire("many", timeout=30)
+            assert waiter._listener is not None and waiter._listener.ident is not None
+            sessions.add(waiter._listener.ident[0])
+            lease.release()
+
+    held = holder.try_acquire("many", ttl=60)
+    threads = [threading.Thread(target=contend) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(queue(pg, "many")) == 4, what="all four to queue")
+    held.release()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(sessions) == 1, "more than one listener connection"
+    (pid,) = sessions
+    # Idle for IDLE_CLOSE: the listener closes its connection by itself.
+    wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)),
+             what="the idle listener to close")
+    assert waiter._listener.waiting() == 0
+
+
+def test_close_ends_the_listener(pg: Db) -> None:
+    holder, waiter = pg.locker(), pg.locker()
+    warm_waiting(pg, waiter)
+    assert waiter._listener is not None and waiter._listener.ident is not None
+    pid = waiter._listener.ident[0]
+    assert pg.query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", (pid,)) == [(_wait.APPLICATION_NAME,)]
+    waiter.close()
+    wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)), what="the listener to close")
+    holder.close()
+
+
+def test_the_local_line_forgets_idle_names() -> None:
+    """100k distinct names, some with a queue behind them: nothing stays in the map."""
+    hot = Hotspot()
+    for i in range(100_000):
+        name = f"n{i}"
+        me = hot.join(name)
+        assert me.is_set()
+        if i % 10 == 0:
+            other = hot.join(name)
+            assert not other.is_set()
+            hot.released(name)
+            hot.leave(name, me)
+            assert other.is_set()  # the next in line is the head now
+            hot.leave(name, other)
+        else:
+            hot.leave(name, me)
+    assert len(hot) == 0
+
+
+@pytest.mark.parametrize("options", [{}, {"fair": False}], ids=["fair", "line"])
+def test_waiting_on_many_names_keeps_no_state(db: Db, options: dict[str, bool]) -> None:
+    holder, waiter = db.locker(), db.locker(**options)
+    for i in range(200):
+        name = f"k{i}"
+        if i % 20 == 0:  # now and then a contended one that times out
+            held = holder.try_acquire(name, ttl=60)
+            with pytest.raises(LockNotAcquired):
+                waiter.acquire(name, timeout=0.01)
+            held.release()
+        waiter.acquire(name, timeout=5).release()
+    assert len(waiter._hot) == 0
+    assert waiter._listener is None or waiter._listener.waiting() == 0
+
+
+def count_statements(locker: Locker) -> list[str]:
+    """Record every statement the Locker sends from now on (its own driver; nothing is faked)."""
+    sent: list[str] = []
+    execute = locker._driver._execute
+
+    def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+        sent.append(sql)
+        return execute(conn, sql, params)
+
+    locker._driver._execute = counted  # type: ignore[method-assign]
+    return sent
+
+
+def test_threads_of_one_process_take_turns_and_only_the_head_polls(pg: Db) -> None:
+    """fair=False: four threads wait in the local line; a release in this process wakes the next at once."""
+    holder = pg.locker()
+    local = pg.locker(fair=False, **SLOW)
+    holder.try_acquire("line", ttl=0.3)
+    sent = count_statements(local)
+    tokens: list[int] = []
+
+    def take() -> None:
+        lease = local.acquire("line", timeout=30)
+        tokens.append(lease.token)
+        time.sleep(0.005)
+        lease.release()
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)  # a 60 s backoff: only the local wake-up gets them all through in time
+        assert not t.is_alive()
+    assert len(tokens) == 4 and tokens == sorted(tokens)
+    # The head: a miss and the grant at the expiry; each next head at most a miss
+    # while the previous holds and the grant after its release; four releases.
+    assert len(sent) <= 2 + 3 * 2 + 4, sent
+
+
+def test_waiting_options_are_checked(pg: Db) -> None:
+    for bad in ({"fair": "yes"}, {"notify": 1}):
+        with pytest.raises(TypeError):
+            Locker(pg.url, table=pg.table, **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_gets_its_own_listener(pg: Db) -> None:
+    holder, waiter = pg.locker(), pg.locker()
+    warm_waiting(pg, waiter)
+    assert waiter._listener is not None and waiter._listener.ident is not None
+    parent_session = waiter._listener.ident[0]
+    holder.try_acquire("fork", ttl=0.3)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            lease = waiter.acquire("fork", timeout=30)
+            ident = waiter._listener.ident if waiter._listener else None
+            os.write(w, json.dumps([lease.token, ident[0] if ident else None]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(child, 0)
+    token, session = json.loads(os.read(r, 1000))
+    os.close(r)
+    assert token > 0 and session not in (None, parent_session)
+
+
+def test_a_table_from_before_the_queue_asks_for_a_migration(pg: Db) -> None:
+    from dblock import SchemaMissing, migrate
+
+    locker = pg.locker()
+    migrate.downgrade(locker.engine, pg.table, None, "dblock_0003")
+    pg.locker().try_acquire("old", ttl=60)
+    with pytest.raises(SchemaMissing, match="older dblock.*dblock migrate"):
+        locker.acquire("old", timeout=1)
+    locker.create_schema()
+    assert "queue" in {c for (c,) in pg.query(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = %s", (pg.table,))}
+
+
+def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
+    """Every queued entry lapsed or names a session that is gone: nobody is handed the lease."""
+    holder = pg.locker()
+    held = holder.try_acquire("ghosts", ttl=60)
+    pg.query(
+        f"""UPDATE {pg.table} SET queue = jsonb_build_array(
+            jsonb_build_object('o', 'lapsed', 't', 5, 'l', null, 'p', null, 's', null, 'd', 1),
+            jsonb_build_object('o', 'gone', 't', 5, 'l', null, 'p', 2147483647, 's', '2020-01-01', 'd', 1e12))
+        WHERE name = 'ghosts'"""
+    )
+    assert held.release() is True
+    assert pg.query(f"SELECT owner, queue FROM {pg.table} WHERE name = 'ghosts'") == [(None, None)]
+    assert holder.try_acquire("ghosts") is not None
