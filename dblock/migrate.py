@@ -1,15 +1,31 @@
-"""Run dblock's Alembic migrations (the one source of its schema)."""
+"""Run dblock's Alembic migrations (the one source of its schema), or fit them into an app's.
+
+Two ways to create dblock's tables (README, "Adding dblock to an existing app"):
+
+- dblock's own history: ``Locker.create_schema()`` or ``dblock migrate``, recorded
+  in dblock's own version table, never the app's ``alembic_version``;
+- the app's history: the app lists ``dblock:_migrations/versions`` in its
+  ``version_locations`` and runs ``alembic upgrade heads`` (branch ``dblock``).
+
+Either way the app's autogenerate must not see dblock's tables: ``exclude_dblock``.
+"""
 
 from __future__ import annotations
 
 import io
 import zlib
 from pathlib import Path
+from typing import Any, Callable
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+
+from ._validate import check_identifier
+from .schema import DEFAULT_TABLE, fences_table_name, version_table_name
+
+IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 
 
 def migrations_dir() -> Path:
@@ -22,11 +38,43 @@ def migrations_dir() -> Path:
 
 
 def target() -> tuple[str, str | None]:
-    """For dblock's migration scripts: the (table, schema) being migrated."""
+    """For dblock's migration scripts: the (table, schema) being migrated.
+
+    dblock's own env.py puts them in ``config.attributes``. Run from an app's
+    history instead, they come from the app's ``alembic.ini`` main section
+    (``dblock_table``, ``dblock_schema``), else the default table ``locks``.
+    """
     from alembic import context
 
-    attributes = context.config.attributes
-    return attributes["dblock_table"], attributes["dblock_schema"]
+    config = context.config
+    attributes = config.attributes
+    if "dblock_table" in attributes:
+        return attributes["dblock_table"], attributes["dblock_schema"]
+    table = check_identifier(config.get_main_option("dblock_table", DEFAULT_TABLE), "dblock_table")
+    schema = config.get_main_option("dblock_schema")
+    return table, None if not schema else check_identifier(schema, "dblock_schema")
+
+
+def exclude_dblock(
+    *tables: str, schema: str | None = None, include_object: IncludeObject | None = None
+) -> IncludeObject:
+    """An ``include_object`` hook for an app's env.py: autogenerate leaves dblock's tables alone.
+
+    It hides the lock tables named in ``tables`` (default ``locks``) in
+    ``schema``, their fences tables and dblock's version tables, so that
+    ``alembic revision --autogenerate`` never proposes dropping them. Other
+    objects go to the app's own ``include_object``, if given.
+    """
+    names = [check_identifier(t, "table") for t in tables or (DEFAULT_TABLE,)]
+    schema = None if schema is None else check_identifier(schema, "schema")
+    hidden = {n for t in names for n in (t, fences_table_name(t), version_table_name(t))}
+
+    def include(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+        if type_ == "table" and name in hidden and obj.schema == schema:
+            return False
+        return include_object is None or include_object(obj, name, type_, reflected, compare_to)
+
+    return include
 
 
 def alembic_config(table: str, schema: str | None) -> Config:

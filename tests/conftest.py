@@ -6,7 +6,6 @@ other's rows.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from typing import Callable, Iterator
@@ -17,44 +16,25 @@ from sqlalchemy.engine import make_url
 
 import dblock
 from dblock import Locker
-
-
-def _throwaway_postgresql(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
-    try:
-        import pgserver
-    except ImportError:  # pragma: no cover - the message is the point
-        pytest.exit(
-            "no PostgreSQL for the tests: set DBLOCK_TEST_URL=postgresql+psycopg://... "
-            "or install the test extras (pip install -e '.[test]'), which bring pgserver",
-            returncode=3,
-        )
-    server = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="delete")
-    return server.get_uri().replace("postgresql://", "postgresql+psycopg://", 1), server
+from dblock.pytest_plugin import PostgreSQL
 
 
 @pytest.fixture(scope="session")
-def _postgresql(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
-    url = os.environ.get("DBLOCK_TEST_URL")
-    if url:
-        yield make_url(url).set(drivername="postgresql+psycopg").render_as_string(hide_password=False), None
-        return
-    url, server = _throwaway_postgresql(tmp_path_factory)
-    yield url, server
-    server.cleanup()  # type: ignore[attr-defined]
+def pg_url(dblock_postgresql: PostgreSQL) -> str:
+    """A SQLAlchemy URL of a PostgreSQL server the tests may create tables in.
+
+    From dblock's own pytest plugin: DBLOCK_TEST_URL (or --dblock-url), else a
+    throwaway pgserver for the session.
+    """
+    return dblock_postgresql.url
 
 
 @pytest.fixture(scope="session")
-def pg_url(_postgresql: tuple[str, object]) -> str:
-    """A SQLAlchemy URL of a PostgreSQL server the tests may create tables in."""
-    return _postgresql[0]
-
-
-@pytest.fixture(scope="session")
-def pg_server(_postgresql: tuple[str, object]) -> object:
+def pg_server(dblock_postgresql: PostgreSQL) -> object:
     """The throwaway pgserver, or skip: a server given by DBLOCK_TEST_URL is not ours to restart."""
-    if _postgresql[1] is None:
+    if dblock_postgresql.server is None:
         pytest.skip("DBLOCK_TEST_URL points at a server the tests must not restart")
-    return _postgresql[1]
+    return dblock_postgresql.server
 
 
 def libpq_dsn(url: str) -> str:
@@ -143,6 +123,39 @@ def locker(db: Db) -> Locker:
     return db.locker()
 
 
+def warm_waiting(db: Db, locker: Locker) -> None:
+    """Open the pooled connection and, in fair mode, the listener, and prepare every
+    statement a wait sends: one-time set-up that statement counts leave out."""
+    other = db.locker()
+    other.try_acquire("warm", ttl=0.05)
+    locker.acquire("warm", timeout=30).release()
+    other.try_acquire("warm", ttl=60)
+    with pytest.raises(dblock.LockNotAcquired):
+        locker.acquire("warm", timeout=0.01)
+
+
+@pytest.fixture(scope="session")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bin directory of a fresh virtualenv with dblock installed from its built wheel (not editable).
+
+    Built once per session: the wheel and the install are the slow part.
+    """
+    import subprocess
+    import sys
+    import venv
+
+    root = Path(__file__).resolve().parent.parent
+    where = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(where / "dist"), str(root)], check=True
+    )
+    (wheel,) = (where / "dist").glob("dblock-*.whl")
+    venv.create(where / "venv", with_pip=True)
+    bin_dir = where / "venv" / "bin"
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    return bin_dir
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll for an event that must happen; fail if it does not within `timeout`."""
     import time
@@ -154,4 +167,4 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "
         time.sleep(0.005)
 
 
-__all__ = ["Db", "dblock", "libpq_dsn", "wait_for"]
+__all__ = ["Db", "dblock", "libpq_dsn", "wait_for", "warm_waiting"]

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
-import venv
 from pathlib import Path
 
 import pytest
-from sqlalchemy import BigInteger, DateTime, Float, String, create_engine, inspect
+from sqlalchemy import BigInteger, DateTime, Float, MetaData, String, Table, create_engine, inspect
 
 from dblock import Locker, migrate
 from dblock.schema import (
@@ -35,7 +33,7 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
     reflected = {c["name"]: c for c in insp.get_columns(db.table)}
     declared = locks_table(db.table)
     assert list(reflected) == [c.name for c in declared.columns]
-    assert list(reflected) == ["name", "owner", "token", "acquired_at", "expires_at", "label"]
+    assert list(reflected) == ["name", "owner", "token", "acquired_at", "expires_at", "label", "queue"]
     assert reflected["label"]["nullable"] and reflected["label"]["type"].length == LABEL_LENGTH == 255
     for column in declared.columns:
         got = reflected[column.name]
@@ -46,6 +44,8 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
             assert isinstance(got["type"], wanted), (column.name, got["type"])
             if db.backend == "postgresql":
                 assert got["type"].timezone
+        elif column.name == "queue":
+            assert type(got["type"]).__name__ == ("JSONB" if db.backend == "postgresql" else "JSON"), got["type"]
         elif isinstance(expected, String):
             assert isinstance(got["type"], String) and got["type"].length == expected.length, column.name
         else:
@@ -90,7 +90,7 @@ def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
     )
     locker.create_schema()
     ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
-    assert version == "dblock_0003"
+    assert version == "dblock_0004"
     (old,) = locker.leases()
     assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
     lease = locker.try_acquire("new")
@@ -159,18 +159,28 @@ def test_offline_sql_shows_the_ddl() -> None:
     assert "alembic_version_dblock" in ddl
 
 
-def test_built_wheel_in_a_fresh_virtualenv(pg: Db, tmp_path: Path) -> None:
+def test_exclude_dblock_hides_only_dblocks_tables() -> None:
+    """The autogenerate filter (end to end in test_app_integration); here its edges and its checks."""
+    md = MetaData()
+    mine = Table("notes", md)
+    hook = migrate.exclude_dblock("jobs", schema="ops", include_object=lambda o, *rest: o is not mine)
+    for name in ("jobs", "jobs_fences", "alembic_version_dblock_jobs"):
+        assert not hook(Table(name, md, schema="ops"), name, "table", True, None)
+        assert hook(Table(name, md), name, "table", True, None)  # same name, another schema: not ours
+    assert hook(Table("locks", md, schema="ops"), "locks", "table", True, None)  # not named: not hidden
+    assert not hook(mine, "notes", "table", False, None)  # the app's own filter still decides the rest
+    default = migrate.exclude_dblock()
+    assert [default(Table(n, md), n, "table", True, None) for n in ("locks", "fences", "alembic_version_dblock")] == [
+        False, False, False
+    ]
+    with pytest.raises(ValueError, match="table"):
+        migrate.exclude_dblock("jobs; DROP")
+    with pytest.raises(ValueError, match="schema"):
+        migrate.exclude_dblock(schema="")
+
+
+def test_built_wheel_in_a_fresh_virtualenv(pg: Db, wheel_venv: Path, tmp_path: Path) -> None:
     """The wheel carries the migrations: installed (not editable) it can create its table and lock."""
-    dist = tmp_path / "dist"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)],
-        check=True,
-    )
-    (wheel,) = dist.glob("dblock-*.whl")
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True)
-    python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
     script = (
         "import sys, dblock, dblock.migrate as m\n"
         "assert 'site-packages' in m.migrations_dir().as_posix(), m.migrations_dir()\n"
@@ -180,7 +190,8 @@ def test_built_wheel_in_a_fresh_virtualenv(pg: Db, tmp_path: Path) -> None:
         "print(lease.token)\n"
     )
     out = subprocess.run(
-        [str(python), "-c", script, pg.url, pg.table + "_w"], check=True, capture_output=True, text=True, cwd=tmp_path
+        [str(wheel_venv / "python"), "-c", script, pg.url, pg.table + "_w"],
+        check=True, capture_output=True, text=True, cwd=tmp_path,
     )
     assert int(out.stdout) >= 1
     pg.query(f"DROP TABLE {pg.table}_w, {pg.table}_w_fences, alembic_version_dblock_{pg.table}_w")

@@ -1,0 +1,214 @@
+"""dblock's pytest plugin: fixtures for testing your own code that uses dblock.
+
+Loaded automatically once dblock is installed (the ``pytest11`` entry point
+``dblock``; ``-p no:dblock`` turns it off). Every fixture is named ``dblock_*``
+so it never shadows a fixture of your own.
+
+- ``dblock_url`` (session): a PostgreSQL URL; ``dblock_postgresql`` also gives
+  the throwaway server, if one was started;
+- ``dblock_locker``: a Locker on a fresh PostgreSQL schema, dropped after the test;
+- ``dblock_expire(lease)``: end a lease now, by the database's clock, as if its
+  holder had paused past its TTL;
+- ``dblock_compete(name, fn)``: run ``fn(lease)`` as another client holding ``name``.
+
+Settings, each a command-line flag and an ini option (the flag wins):
+``--dblock-url`` / ``dblock_url`` (also ``$DBLOCK_TEST_URL``, which beats the ini
+file; with none of them a throwaway server from the ``pgserver`` package,
+``pip install 'dblock[testing]'``) and ``--dblock-ttl`` / ``dblock_ttl``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import secrets
+import tempfile
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, TypeVar
+
+import pytest
+
+if TYPE_CHECKING:  # dblock (and SQLAlchemy) load when a fixture is used, not on every pytest start
+    from dblock import Lease, Locker
+
+T = TypeVar("T")
+ENV_URL = "DBLOCK_TEST_URL"
+
+
+class PostgreSQL(NamedTuple):
+    """The session's server: ``url`` for SQLAlchemy; ``server`` the pgserver started for it, or None."""
+
+    url: str
+    server: Any
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("dblock", "dblock fixtures")
+    url_help = (
+        f"PostgreSQL URL for the dblock_* fixtures (default: ${ENV_URL}, else the dblock_url ini "
+        "option, else a throwaway server started with pgserver)"
+    )
+    ttl_help = "default lease length, in seconds, of the dblock_locker fixture's Locker (default: 30)"
+    group.addoption("--dblock-url", dest="dblock_url", metavar="URL", help=url_help)
+    group.addoption("--dblock-ttl", dest="dblock_ttl", metavar="SECONDS", help=ttl_help)
+    parser.addini("dblock_url", url_help)
+    parser.addini("dblock_ttl", ttl_help)
+
+
+def _setting(config: pytest.Config, name: str, env: str | None = None) -> str | None:
+    """The flag, else the environment variable, else the ini option; None if none is set."""
+    value: str | None = config.getoption(name)
+    if value is None and env is not None:
+        value = os.environ.get(env) or None
+    if value is None:
+        value = str(config.getini(name)) or None
+    return value
+
+
+def _postgresql_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        pytest.fail(f"dblock_url is not a database URL: {url!r}", pytrace=False)
+    if parsed.get_backend_name() != "postgresql":
+        pytest.fail(f"dblock_url must be a PostgreSQL URL (postgresql://user@host/db), not {parsed.drivername}://", pytrace=False)
+    return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def _throwaway_server() -> PostgreSQL:
+    with warnings.catch_warnings():
+        # pgserver asks platformdirs for a runtime dir, which CI machines often lack.
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+        try:
+            pgserver = importlib.import_module("pgserver")  # an optional dependency: dblock[testing]
+        except ImportError:
+            pytest.fail(
+                "the dblock fixtures need a PostgreSQL: pass --dblock-url=postgresql://user@host/db "
+                f"(or set ${ENV_URL}), or pip install 'dblock[testing]' for a throwaway server",
+                pytrace=False,
+            )
+        # Not under pytest's basetemp: as root, pgserver runs PostgreSQL as another
+        # system user that must traverse the path, and every pytest session started
+        # meanwhile by the same user resets /tmp/pytest-of-<user> to mode 0700.
+        pgdata = Path(tempfile.mkdtemp(prefix="dblock-pg-"))
+        server = pgserver.get_server(pgdata, cleanup_mode="delete")  # cleanup() deletes pgdata
+    return PostgreSQL(_postgresql_url(server.get_uri()), server)
+
+
+@pytest.fixture(scope="session")
+def dblock_postgresql(request: pytest.FixtureRequest) -> Iterator[PostgreSQL]:
+    """The session's PostgreSQL: the configured URL, or a throwaway server stopped after the session."""
+    url = _setting(request.config, "dblock_url", ENV_URL)
+    if url is not None:
+        yield PostgreSQL(_postgresql_url(url), None)
+        return
+    started = _throwaway_server()
+    yield started
+    # A test may have restarted the server (dblock's own suite does): read its
+    # postmaster pid again, so that clean-up stops the running one, not a dead one.
+    started.server.ensure_postgres_running()
+    started.server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def dblock_url(dblock_postgresql: PostgreSQL) -> str:
+    """A SQLAlchemy URL (``postgresql+psycopg://``) of a server the tests may create schemas in."""
+    return dblock_postgresql.url
+
+
+@pytest.fixture
+def dblock_locker(dblock_url: str, request: pytest.FixtureRequest) -> Iterator[Locker]:
+    """A Locker with its tables migrated in a fresh schema (``locker.schema``), dropped after the test."""
+    from sqlalchemy import text
+
+    from dblock import Locker
+    from dblock.locker import DEFAULT_TTL
+
+    ttl = _setting(request.config, "dblock_ttl")
+    schema = "dblock_test_" + secrets.token_hex(5)
+    locker = Locker(dblock_url, schema=schema, ttl=DEFAULT_TTL if ttl is None else _seconds(ttl))
+    try:
+        locker.create_schema()
+        yield locker
+    finally:
+        locker.close()
+        with locker.engine.begin() as conn:
+            # A connection of the test's own still using the schema would make this wait for ever.
+            conn.execute(text("SET LOCAL lock_timeout = '10s'"))
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        locker.engine.dispose()
+
+
+def _seconds(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        pytest.fail(f"dblock_ttl must be a number of seconds, not {value!r}", pytrace=False)
+
+
+def expire_now(lease: Lease) -> None:
+    """End ``lease`` now by the database's clock, as if its holder had paused past its TTL.
+
+    Another client can then acquire the lock. The holder is not told:
+    ``lease.remaining()`` still counts down, as it would during a real pause.
+    Raises LeaseLost if the lease was already released or taken over.
+    """
+    from sqlalchemy import update
+
+    from dblock import Lease, LeaseLost
+    from dblock.schema import locks_table
+
+    if not isinstance(lease, Lease):
+        raise TypeError(f"dblock_expire takes a Lease, not {type(lease).__name__}")
+    locker = lease._locker
+    t = locks_table(locker.table, locker.schema)
+    # acquired_at is in the past on every backend's clock: an expiry there has passed.
+    stmt = (
+        update(t)
+        .where(t.c.name == lease.name, t.c.owner == lease.owner, t.c.token == lease.token)
+        .values(expires_at=t.c.acquired_at)
+    )
+    with locker.engine.begin() as conn:
+        if conn.execute(stmt).rowcount != 1:
+            raise LeaseLost(f"cannot expire the lease on {lease.name!r} (token {lease.token}): it already ended")
+
+
+@pytest.fixture
+def dblock_expire() -> Callable[[Lease], None]:
+    """``dblock_expire(lease)``: see ``expire_now``."""
+    return expire_now
+
+
+@pytest.fixture
+def dblock_compete(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """``dblock_compete(name, fn, *, locker=None, ttl=None, timeout=0)``: ``fn(lease)`` as another client.
+
+    A second Locker on the same database and table as ``locker`` (default: the
+    ``dblock_locker`` fixture) acquires ``name``, waiting up to ``timeout``
+    seconds (LockNotAcquired if it cannot: expire the first holder's lease
+    with ``dblock_expire``), calls ``fn`` with its lease, releases it and
+    returns what ``fn`` returned.
+    """
+    from dblock import Locker
+
+    others: dict[int, Locker] = {}
+
+    def compete(
+        name: str, fn: Callable[[Lease], T], *, locker: Locker | None = None, ttl: float | None = None, timeout: float = 0
+    ) -> T:
+        if not callable(fn):
+            raise TypeError(f"dblock_compete runs a callable with the competing lease, not {type(fn).__name__}")
+        base = request.getfixturevalue("dblock_locker") if locker is None else locker
+        other = others.get(id(base))
+        if other is None:
+            other = others[id(base)] = Locker(base.engine, table=base.table, schema=base.schema, label="dblock_compete")
+        with other.lock(name, ttl=ttl, timeout=timeout) as lease:
+            return fn(lease)
+
+    yield compete
+    for other in others.values():
+        other.close()

@@ -1,0 +1,156 @@
+"""dblock's pytest plugin, run with pytester as a user's project runs it (the entry point loads it)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import alembic.context
+import alembic.op
+import pytest
+
+import dblock.migrate
+from .conftest import Db
+
+# pytester runs the user's tests in this process and then forgets the modules
+# imported since it started. Alembic's `context` and `op` are module proxies
+# bound to one class: load them (and dblock.migrate, which uses them) before
+# any snapshot, or a later create_schema pairs a forgotten module with a fresh
+# one. For the same reason the tests ask for `pg` (which may start pgserver,
+# and import psutil that its clean-up needs) before `pytester`.
+assert alembic.context and alembic.op and dblock.migrate
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Testing your code with dblock", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert block.startswith("# test_reports.py\n")
+    return block
+
+
+MORE_TESTS = '''
+import dblock
+import pytest
+
+
+def test_unhandled_fenced_out_fails_the_users_test(dblock_locker, dblock_expire, dblock_compete):
+    def write(lease):
+        with dblock_locker.engine.begin() as conn:
+            dblock.fence(conn, lease)
+
+    lease = dblock_locker.acquire("job")
+    dblock_expire(lease)
+    dblock_compete("job", write)
+    write(lease)
+
+
+def test_a_live_lease_keeps_the_competitor_out(dblock_locker, dblock_compete):
+    lease = dblock_locker.acquire("job")
+    with pytest.raises(dblock.LockNotAcquired):
+        dblock_compete("job", lambda other: None, timeout=0.05)
+    assert lease.extend() is None and lease.release()
+    assert dblock_compete("job", lambda other: other.token) > lease.token
+
+
+def test_expire_refuses_an_ended_lease(dblock_locker, dblock_expire):
+    lease = dblock_locker.acquire("job")
+    lease.release()
+    with pytest.raises(dblock.LeaseLost):
+        dblock_expire(lease)
+
+
+def test_expire_and_compete_on_the_apps_own_sqlite(tmp_path, dblock_expire, dblock_compete):
+    with dblock.Locker(f"sqlite:///{tmp_path / 'app.db'}") as locker:
+        locker.create_schema()
+        lease = locker.acquire("job")
+        dblock_expire(lease)
+        assert lease.remaining() > 0  # the holder was not told, as after a real pause
+        assert dblock_compete("job", lambda other: other.token, locker=locker) > lease.token
+        with pytest.raises(dblock.LeaseLost):
+            lease.extend()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_test_gets_a_fresh_schema(dblock_locker, n):
+    assert dblock_locker.leases() == []
+    dblock_locker.acquire("left-held")
+    with open("schemas.txt", "a") as f:
+        f.write(dblock_locker.schema + "\\n")
+'''
+
+
+def test_users_tests_run_on_the_fixtures(pg: Db, pytester: pytest.Pytester) -> None:
+    """The README's example passes; an unhandled FencedOut fails the user's test; schemas are fresh and dropped."""
+    pytester.makepyfile(test_reports=readme_example(), test_more=MORE_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
+    result.assert_outcomes(passed=6, failed=1)
+    result.stdout.fnmatch_lines(["*test_unhandled_fenced_out_fails_the_users_test*", "*FencedOut: fenced out*"])
+    schemas = (pytester.path / "schemas.txt").read_text().split()
+    assert len(set(schemas)) == 2
+    assert pg.query("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'dblock_test_%%'") == []
+
+
+SETTINGS_TEST = '''
+import os
+
+def test_settings(dblock_url, request):
+    assert dblock_url == os.environ["EXPECT_URL"]
+    if "EXPECT_TTL" in os.environ:
+        assert request.getfixturevalue("dblock_locker").ttl == float(os.environ["EXPECT_TTL"])
+'''
+
+
+def test_each_setting_is_a_flag_and_an_ini_option(pg: Db, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flag beats $DBLOCK_TEST_URL beats the ini option."""
+    pytester.makeini("[pytest]\ndblock_url = postgresql://ini@example.invalid/db\ndblock_ttl = 7\n")
+    pytester.makepyfile(SETTINGS_TEST)
+    monkeypatch.delenv("DBLOCK_TEST_URL", raising=False)
+    monkeypatch.setenv("EXPECT_URL", "postgresql+psycopg://ini@example.invalid/db")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+    monkeypatch.setenv("DBLOCK_TEST_URL", pg.url)
+    monkeypatch.setenv("EXPECT_URL", pg.url)
+    monkeypatch.setenv("EXPECT_TTL", "7")
+    pytester.runpytest().assert_outcomes(passed=1)
+
+    monkeypatch.setenv("DBLOCK_TEST_URL", "postgresql://env@example.invalid/db")
+    monkeypatch.setenv("EXPECT_TTL", "5")
+    pytester.runpytest(f"--dblock-url={pg.url}", "--dblock-ttl=5").assert_outcomes(passed=1)
+
+    helped = pytester.runpytest("--help")
+    helped.stdout.fnmatch_lines(["*--dblock-url=URL*", "*--dblock-ttl=SECONDS*", "*dblock_url (string)*", "*dblock_ttl (string)*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "*the dblock fixtures need a PostgreSQL: pass --dblock-url=* or pip install 'dblock?testing?' *"),
+        (["--dblock-url=sqlite:///x.db"], "*dblock_url must be a PostgreSQL URL (postgresql://user@host/db), not sqlite://*"),
+        (["--dblock-url=postgresql://u@h/db", "--dblock-ttl=soon"], "*dblock_ttl must be a number of seconds, not 'soon'*"),
+    ],
+)
+def test_bad_settings_say_what_to_do(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    monkeypatch.delenv("DBLOCK_TEST_URL", raising=False)
+    monkeypatch.setitem(sys.modules, "pgserver", None)  # as if dblock[testing] were not installed
+    pytester.makepyfile("def test_uses_dblock(dblock_locker):\n    pass\n")
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([message])
+
+
+def test_plugin_fixtures_leave_the_projects_own_fixtures_alone(pytester: pytest.Pytester) -> None:
+    """A user's own `locker` fixture is untouched: the plugin's are all dblock_*."""
+    pytester.makeconftest("import pytest\n\n@pytest.fixture\ndef locker():\n    return 'mine'\n")
+    pytester.makepyfile("def test_mine(locker):\n    assert locker == 'mine'\n")
+    pytester.runpytest().assert_outcomes(passed=1)
+    listed = pytester.runpytest("--fixtures")
+    names = set(re.findall(r"^(dblock_\w+)", listed.stdout.str(), re.M))
+    assert names == {"dblock_postgresql", "dblock_url", "dblock_locker", "dblock_expire", "dblock_compete"}
