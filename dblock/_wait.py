@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -135,6 +136,10 @@ class Listener:
                         self._retire(conn)
                         return
         except Exception as exc:  # noqa: BLE001 - the connection broke: wake everyone to poll
+            if self._stop:  # close() cut it short on purpose
+                with self._lock:
+                    self._retire(conn)
+                return
             log.warning("the lock listener's connection failed (%s); waiters poll until it is back", exc)
             with self._lock:
                 self._retire(conn)
@@ -169,10 +174,15 @@ class Listener:
         slot.event.set()
 
     def close(self) -> None:
+        """End the listener session now: no waiting for the thread's next look-up."""
         with self._lock:
             self._stop = True
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
+            thread, conn = self._thread, self._conn
+        if thread is None or self._pid != os.getpid():
+            return  # not running, or the parent's (after a fork)
+        if conn is not None:
+            _interrupt(conn)
+        if thread is not threading.current_thread():
             thread.join(timeout=2 * _POLL + 1)
 
     def _after_fork(self) -> None:
@@ -183,6 +193,25 @@ class Listener:
             self._stop = False
             self._pid = os.getpid()
             self._id = secrets.token_hex(ID_LENGTH // 2)  # the parent's channel is the parent's
+
+
+def _interrupt(conn: Any) -> None:
+    """Wake the listener thread out of its wait on ``conn`` at once.
+
+    Shutting the socket down (through a duplicate descriptor, so the
+    connection's own descriptor is never closed under it) makes the thread's
+    read see end-of-file; the thread then closes the connection and the
+    server ends the session.
+    """
+    try:
+        fd = os.dup(conn.fileno())
+    except Exception:  # noqa: BLE001 - already closed: the thread is on its way out
+        return
+    with socket.socket(fileno=fd) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class _Line:
