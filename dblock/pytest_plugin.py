@@ -79,6 +79,18 @@ def _postgresql_url(url: str) -> str:
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
 
 
+def memory_dir() -> str | None:
+    """``/dev/shm`` where the machine has it writable, else None (the usual temp dir).
+
+    A throwaway server's files live there: its commits then cost no disk
+    flush, so the tests run at the same speed on a machine whose disk is slow
+    today. Nothing is lost that a test relies on: the data outlive a crash of
+    the server's processes, only not a crash of the machine.
+    """
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+
+
 def _throwaway_server() -> PostgreSQL:
     with warnings.catch_warnings():
         # pgserver asks platformdirs for a runtime dir, which CI machines often lack.
@@ -94,7 +106,7 @@ def _throwaway_server() -> PostgreSQL:
         # Not under pytest's basetemp: as root, pgserver runs PostgreSQL as another
         # system user that must traverse the path, and every pytest session started
         # meanwhile by the same user resets /tmp/pytest-of-<user> to mode 0700.
-        pgdata = Path(tempfile.mkdtemp(prefix="dblock-pg-"))
+        pgdata = Path(tempfile.mkdtemp(prefix="dblock-pg-", dir=memory_dir()))
         server = pgserver.get_server(pgdata, cleanup_mode="delete")  # cleanup() deletes pgdata
     return PostgreSQL(_postgresql_url(server.get_uri()), server)
 

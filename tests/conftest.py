@@ -7,6 +7,8 @@ other's rows.
 from __future__ import annotations
 
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,7 +18,7 @@ from sqlalchemy.engine import make_url
 
 import dblock
 from dblock import Locker
-from dblock.pytest_plugin import PostgreSQL
+from dblock.pytest_plugin import PostgreSQL, memory_dir
 
 
 @pytest.fixture(scope="session")
@@ -96,12 +98,24 @@ class Db:
 
 
 @pytest.fixture
-def db(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Db]:
+def memory_path(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory in memory where the machine allows (else tmp_path): SQLite
+    commits there cost no disk flush, so a slow disk does not slow the suite."""
+    if memory_dir() is None:
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="dblock-test-", dir=memory_dir()))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def db(backend: str, request: pytest.FixtureRequest, memory_path: Path) -> Iterator[Db]:
     table = "t_" + secrets.token_hex(6)
     if backend == "postgresql":
         url = request.getfixturevalue("pg_url")
     else:
-        url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
+        url = f"sqlite:///{memory_path / 'locks.sqlite3'}"
     d = Db(backend, url, table)
     Locker(url, table=table).create_schema()
     yield d
