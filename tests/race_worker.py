@@ -1,11 +1,13 @@
 """One process of the G1/G2 race: threads hammering one lock name with tiny TTLs.
 
-Usage: python race_worker.py URL TABLE NAME TTL THREADS START_AT DURATION [MODE]
+Usage: python race_worker.py URL TABLE NAME TTL THREADS DURATION [MODE]
 MODE is how threads take the lock: "try" (try_acquire in a loop, the default),
 or a blocking acquire with a short timeout (5 TTLs, at least 50 ms): "fair" (queue + NOTIFY hand-off),
 "fair-poll" (queue, polling), "line" (fair=False: local line + polling).
-START_AT is a time.monotonic() value (one clock for every process on the
-machine) so all processes start together. Prints one JSON line per grant:
+Once connected it prints "ready" and reads the start time from stdin: a
+time.monotonic() value (one clock for every process on the machine), so all
+processes start together however long each took to start. Then it prints one
+JSON list of grants:
 [token, received_at, trusted_until] in monotonic seconds, where trusted_until
 is when this client stopped relying on the lease: min(sent + ttl, release call).
 """
@@ -25,9 +27,12 @@ MODES = {"try": {}, "fair": {}, "fair-poll": {"notify": False}, "line": {"fair":
 
 def main() -> None:
     url, table, name = sys.argv[1:4]
-    ttl, threads, start_at, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
-    mode = sys.argv[8] if len(sys.argv) > 8 else "try"
+    ttl, threads, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+    mode = sys.argv[7] if len(sys.argv) > 7 else "try"
     locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **MODES[mode])  # type: ignore[arg-type]
+    locker.try_acquire(f"{name}-warm-{random.random()}", ttl=1).release()  # connected, statements compiled
+    print("ready", flush=True)
+    start_at = float(sys.stdin.readline())
 
     def take() -> Lease | None:
         if mode == "try":
