@@ -200,16 +200,14 @@ def worker(args: argparse.Namespace) -> None:
     events: list[tuple[float, float, int, float]] = []  # (granted at, release called at, thread id, release took)
     timeouts = Counter()
     guard = threading.Lock()
-    warm = threading.Barrier(args.threads)
+    warm = threading.Barrier(args.threads + 1)  # the threads and this main thread
 
     def run(tid: int) -> None:
         held = acquire()  # warm-up: connections, LISTEN, prepared statements (not counted)
         if held is not None:
             release(held)
-        warm.wait()
-        if tid == 0:
-            count.n = 0
-        warm.wait()
+        warm.wait()  # every thread warm
+        warm.wait()  # the start time is known
         while time.monotonic() < args.start_at:
             time.sleep(0.0005)
         for _ in range(args.attempts):
@@ -228,6 +226,11 @@ def worker(args: argparse.Namespace) -> None:
     threads = [threading.Thread(target=run, args=(args.proc * 1000 + i,)) for i in range(args.threads)]
     for t in threads:
         t.start()
+    warm.wait()
+    count.n = 0
+    print("ready", flush=True)  # the driver starts every process together
+    args.start_at = float(sys.stdin.readline())
+    warm.wait()
     for t in threads:
         t.join()
     close()
@@ -237,15 +240,24 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver ------------------------------------------------------------------
 def run_round(variant: str, args: argparse.Namespace, table: str, attempts: int) -> dict[str, Any]:
     """One run of the workload for ``variant``: every worker process, ``attempts`` per thread."""
-    start_at = time.monotonic() + 1.5 + 0.3 * args.processes  # after every worker's warm-up
     cmd = [
         sys.executable, __file__, "--worker", variant, "--url", args.url, "--table", table,
         "--threads", str(args.threads), "--attempts", str(attempts), "--timeout", str(args.timeout),
-        "--hold", str(args.hold), "--start-at", repr(start_at), "--redis", args.redis,
+        "--hold", str(args.hold), "--redis", args.redis,
     ]
     procs = [
-        subprocess.Popen([*cmd, "--proc", str(p)], stdout=subprocess.PIPE, text=True) for p in range(args.processes)
+        subprocess.Popen([*cmd, "--proc", str(p)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for p in range(args.processes)
     ]
+    for p in procs:  # each says "ready" once its threads are warm
+        assert p.stdout is not None
+        if p.stdout.readline() != "ready\n":
+            raise SystemExit(f"a {variant} worker failed while warming up")
+    start_at = repr(time.monotonic() + 0.05)
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(start_at + "\n")
+        p.stdin.flush()
     outs = [json.loads(p.communicate()[0]) for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a {variant} worker failed")
@@ -306,7 +318,6 @@ def main() -> None:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--table", help=argparse.SUPPRESS)
-    ap.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--proc", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
