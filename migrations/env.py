@@ -44,6 +44,8 @@ if context.is_offline_mode():
         version_table_schema=schema,
     )
     with context.begin_transaction():
+        if schema and context.get_context().dialect.name == "postgresql":
+            context.execute(CreateSchema(schema, if_not_exists=True))  # as online, before the version table
         context.run_migrations()
 elif config.attributes.get("connection") is not None:
     run(config.attributes["connection"])

@@ -360,6 +360,25 @@ def test_migrate_on_postgresql(pg: Db, tmp_path: Path) -> None:
         pg.query(f"DROP SEQUENCE IF EXISTS {table}_token_seq")
 
 
+def test_printed_ddl_makes_a_working_table_in_a_new_schema(pg: Db, tmp_path: Path) -> None:
+    """`migrate --sql --schema S` is what a DBA runs by hand: it must make the schema too."""
+    cli = Cli(None, tmp_path)
+    schema = pg.table + "_s"
+    ddl = cli("migrate", "--url", pg.url, "--schema", schema, "--sql")
+    assert ddl.returncode == 0, ddl
+    try:
+        conn = pg.connect()
+        try:
+            conn.execute(ddl.stdout)  # one script, as psql -f would run it; the schema does not exist yet
+        finally:
+            conn.close()
+        ran = cli("run", "--url", pg.url, "--schema", schema, "x", "--", "true")
+        assert ran.returncode == 0, ran
+        assert pg.query(f"SELECT name, owner FROM {schema}.locks") == [("x", None)]
+    finally:
+        pg.query(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
 def test_python_m_dblock(tmp_path: Path) -> None:
     out = subprocess.run([PY, "-m", "dblock", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
