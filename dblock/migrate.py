@@ -122,6 +122,6 @@ def sql(url: str, table: str, schema: str | None, revision: str = "heads") -> st
     cfg = alembic_config(table, schema)
     cfg.stdout = out
     cfg.output_buffer = out
-    cfg.set_main_option("sqlalchemy.url", url)
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # ini values interpolate %
     command.upgrade(cfg, revision, sql=True)
     return out.getvalue()
