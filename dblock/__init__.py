@@ -1,9 +1,33 @@
-"""dblock: a lease lock with fencing tokens, in the SQL database you already run."""
+"""dblock: a lease lock with fencing tokens, in the SQL database you already run.
+
+The names below load on first use (PEP 562), so ``import dblock`` alone does not
+import SQLAlchemy: the pytest plugin, which pytest loads on every run in an
+environment where dblock is installed, costs nothing until a test uses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import DatabaseUnavailable, DBLockError, FencedOut, LeaseLost, LockNotAcquired, SchemaMissing
-from .fencing import check_lease, commit_guard, fence, fenced, fenced_update, fenced_upsert
-from .lease import Lease, LeaseInfo
-from .locker import Locker
+
+if TYPE_CHECKING:
+    from .fencing import check_lease, commit_guard, fence, fenced, fenced_update, fenced_upsert
+    from .lease import Lease, LeaseInfo
+    from .locker import Locker
+
+_LAZY = {
+    "check_lease": ".fencing",
+    "commit_guard": ".fencing",
+    "fence": ".fencing",
+    "fenced": ".fencing",
+    "fenced_update": ".fencing",
+    "fenced_upsert": ".fencing",
+    "Lease": ".lease",
+    "LeaseInfo": ".lease",
+    "Locker": ".locker",
+}
 
 __all__ = [
     "DBLockError",
@@ -23,3 +47,16 @@ __all__ = [
     "fenced_upsert",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -154,3 +154,25 @@ def test_plugin_fixtures_leave_the_projects_own_fixtures_alone(pytester: pytest.
     listed = pytester.runpytest("--fixtures")
     names = set(re.findall(r"^(dblock_\w+)", listed.stdout.str(), re.M))
     assert names == {"dblock_postgresql", "dblock_url", "dblock_locker", "dblock_expire", "dblock_compete"}
+
+
+def test_the_plugin_costs_nothing_until_a_fixture_is_used(tmp_path: Path) -> None:
+    """pytest loads the plugin in every run where dblock is installed: it must not import
+    SQLAlchemy or psycopg (about 0.15 s) for test runs that never touch dblock."""
+    import os
+    import subprocess
+
+    (tmp_path / "test_plain.py").write_text(
+        "import sys\n"
+        "def test_plain(request):\n"
+        "    assert request.config.pluginmanager.has_plugin('dblock')\n"
+        "    assert not {'sqlalchemy', 'psycopg'} & set(sys.modules)\n"
+        "    import dblock\n"
+        "    assert dblock.Locker and 'sqlalchemy' in sys.modules  # loaded on first use\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_DISABLE_PLUGIN_AUTOLOAD"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
