@@ -175,14 +175,16 @@ class Listener:
 
     def close(self) -> None:
         """End the listener session now: no waiting for the thread's next look-up."""
+        if self._pid != os.getpid():
+            return  # the parent's listener (after a fork): its socket is not ours to shut
         with self._lock:
             self._stop = True
             thread, conn = self._thread, self._conn
-        if thread is None or self._pid != os.getpid():
-            return  # not running, or the parent's (after a fork)
-        if conn is not None:
-            _interrupt(conn)
-        if thread is not threading.current_thread():
+            if conn is not None:
+                # Under the lock: the thread closes the connection only while holding it,
+                # so its descriptor cannot have been closed (and its number reused) here.
+                _interrupt(conn)
+        if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * _POLL + 1)
 
     def _after_fork(self) -> None:

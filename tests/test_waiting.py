@@ -431,6 +431,28 @@ def test_a_forked_child_gets_its_own_listener(pg: Db) -> None:
     assert token > 0 and session not in (None, parent_session)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_close_in_a_forked_child_leaves_the_parents_listener_alone(pg: Db) -> None:
+    """close() ends the listener by shutting its socket, which a forked child shares."""
+    holder, waiter = pg.locker(), pg.locker()
+    warm_waiting(pg, waiter)
+    assert waiter._listener is not None and waiter._listener.ident is not None
+    parent_session = waiter._listener.ident[0]
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            waiter.close()
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    held = holder.try_acquire("after-fork", ttl=60)
+    assert held is not None
+    threading.Timer(0.2, held.release).start()
+    lease = waiter.acquire("after-fork", timeout=30)  # handed over through the same listener
+    assert lease.token > held.token
+    assert waiter._listener.ident is not None and waiter._listener.ident[0] == parent_session
+
+
 def test_a_table_from_before_the_queue_asks_for_a_migration(pg: Db) -> None:
     from dblock import SchemaMissing, migrate
 
