@@ -13,8 +13,11 @@ def interleaved(variants: dict[str, Callable[[], None]], rounds: int, calls: int
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    order = list(variants.items())
+    for r in range(rounds):
+        # Rotate who goes first: a variant's speed here depends on what ran just before it
+        # (whose database process was awake, on which CPU), so no variant always follows the same one.
+        for name, fn in order[r % len(order):] + order[: r % len(order)]:
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
