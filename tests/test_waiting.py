@@ -408,12 +408,17 @@ def test_waiting_options_are_checked(pg: Db) -> None:
             Locker(pg.url, table=pg.table, **bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="fork")
-def test_a_forked_child_gets_its_own_listener(pg: Db) -> None:
+def listening_waiter(pg: Db) -> tuple[Locker, Locker, int]:
+    """A holder, and a waiter whose listener is up; and the listener's backend pid."""
     holder, waiter = pg.locker(), pg.locker()
     warm_waiting(pg, waiter)
     assert waiter._listener is not None and waiter._listener.ident is not None
-    parent_session = waiter._listener.ident[0]
+    return holder, waiter, waiter._listener.ident[0]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_gets_its_own_listener(pg: Db) -> None:
+    holder, waiter, parent_session = listening_waiter(pg)
     holder.try_acquire("fork", ttl=0.3)
     r, w = os.pipe()
     child = os.fork()
@@ -434,10 +439,7 @@ def test_a_forked_child_gets_its_own_listener(pg: Db) -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="fork")
 def test_close_in_a_forked_child_leaves_the_parents_listener_alone(pg: Db) -> None:
     """close() ends the listener by shutting its socket, which a forked child shares."""
-    holder, waiter = pg.locker(), pg.locker()
-    warm_waiting(pg, waiter)
-    assert waiter._listener is not None and waiter._listener.ident is not None
-    parent_session = waiter._listener.ident[0]
+    holder, waiter, parent_session = listening_waiter(pg)
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the child
         try:
