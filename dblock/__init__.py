@@ -10,7 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import DatabaseUnavailable, DBLockError, FencedOut, LeaseLost, LockNotAcquired, SchemaMissing
+from .errors import (
+    DatabaseUnavailable,
+    DBLockError,
+    FencedOut,
+    LeaseLost,
+    LockNotAcquired,
+    PermissionDenied,
+    SchemaMissing,
+)
 
 if TYPE_CHECKING:
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_update, fenced_upsert
@@ -38,6 +46,7 @@ __all__ = [
     "LeaseLost",
     "LockNotAcquired",
     "Locker",
+    "PermissionDenied",
     "SchemaMissing",
     "check_lease",
     "commit_guard",

@@ -1,10 +1,37 @@
-"""dblock's exceptions: one base, a few leaves, all exported from ``dblock``."""
+"""dblock's exceptions: one base, a few leaves, all exported from ``dblock``.
+
+Every one of them pickles with its attributes (``__reduce__`` rebuilds it from
+its message and attributes), so it survives multiprocessing pools,
+``concurrent.futures`` and task queues that carry exceptions between processes.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DBLockError(Exception):
-    """Base class of every error dblock raises on purpose."""
+    """Base class of every error dblock raises on purpose.
+
+    ``sqlstate`` is the database's five-character error code (PostgreSQL's
+    SQLSTATE, e.g. ``"42501"`` for a missing privilege) when the error came
+    from the database and it gave one; None otherwise.
+    """
+
+    def __init__(self, message: str = "", *, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the message, then its attributes restored: subclasses
+        # whose __init__ takes other arguments pickle without code of their own.
+        return (_rebuild, (type(self), str(self)), self.__dict__)
+
+
+def _rebuild(cls: type[DBLockError], message: str) -> DBLockError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    return exc
 
 
 class LockNotAcquired(DBLockError):
@@ -39,4 +66,13 @@ class SchemaMissing(DBLockError):
 
 
 class DatabaseUnavailable(DBLockError):
-    """The database could not be reached, or the connection broke and a retry failed too."""
+    """The database could not be reached or did not answer in time.
+
+    Raised when connecting fails, when a statement outlives its time limit
+    (the server is silent, frozen or unreachable), or when a wait's deadline
+    passes while the database is down.
+    """
+
+
+class PermissionDenied(DBLockError):
+    """The database role lacks a privilege dblock needs; the message names it."""
