@@ -45,8 +45,12 @@ class _Conn:
 class Driver:
     """A small LIFO pool of autocommit driver connections, safe across threads and forks."""
 
-    def __init__(self, engine: Engine, where: str, table: str) -> None:
+    def __init__(self, engine: Engine, where: str, table: str, *, prepare: bool = True) -> None:
         self.engine = engine
+        # False behind a transaction pooler (PgBouncer pool_mode=transaction):
+        # a statement prepared on one server session may be run by another
+        # client's session with that client's parameters.
+        self.prepare = prepare
         self.dialect = engine.dialect.name
         self.where = where  # the URL without its password, for messages
         self.table = table
@@ -66,6 +70,8 @@ class Driver:
         fairy.detach()
         if self.dialect == "postgresql":
             raw.autocommit = True
+            if not self.prepare:
+                raw.prepare_threshold = None  # never prepare, not even after 5 runs
         else:
             raw.isolation_level = None  # autocommit: each statement is its own transaction
             raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
@@ -171,8 +177,9 @@ class Driver:
     def _execute(self, conn: _Conn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         cur = conn.cursor
         if self.dialect == "postgresql":
-            # Prepared once per connection, then one round trip per call.
-            cur.execute(sql, params, prepare=True)
+            # Prepared once per connection, then one round trip per call
+            # (unless prepare=False: then each call sends its text unnamed).
+            cur.execute(sql, params, prepare=self.prepare)
         else:
             cur.execute(sql, params)
         return cur.fetchall() if cur.description is not None else []

@@ -59,6 +59,11 @@ class Locker:
     SQLite) waits by polling with backoff, never past the current lease's
     known expiry, and threads of this process waiting for one name queue
     locally so only the first of them polls.
+
+    ``prepare=False`` sends every statement unprepared: needed behind a
+    transaction pooler (PgBouncer with ``pool_mode = transaction``), where a
+    server-side prepared statement can be run by another client's session.
+    Use ``notify=False`` there too (LISTEN needs a session of its own).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class Locker:
         label: str | None = None,
         fair: bool = True,
         notify: bool = True,
+        prepare: bool = True,
     ) -> None:
         self.table = check_identifier(table, "table")
         self.schema = None if schema is None else check_identifier(schema, "schema")
@@ -87,7 +93,7 @@ class Locker:
         self.poll_max = check_interval(poll_max, "poll_max")
         if self.poll_max < self.poll_min:
             raise ValueError(f"poll_max ({poll_max:g}) must not be smaller than poll_min ({poll_min:g})")
-        for option, value in (("fair", fair), ("notify", notify)):
+        for option, value in (("fair", fair), ("notify", notify), ("prepare", prepare)):
             if not isinstance(value, bool):
                 raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
         self.fair, self.notify = fair, notify
@@ -96,7 +102,7 @@ class Locker:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = self.engine.url.render_as_string(hide_password=True)
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
-        self._driver = Driver(self.engine, where, self.table)
+        self._driver = Driver(self.engine, where, self.table, prepare=prepare)
         self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue in the row
         self._listener = Listener(self._driver.listen_connection) if self._queued and notify else None
         self._hot = Hotspot()
