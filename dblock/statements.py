@@ -115,7 +115,12 @@ WITH r AS (
         SELECT n.e->>'o',
                CASE WHEN n.e IS NULL THEN l.token ELSE nextval('{seq}') END,
                CASE WHEN n.e IS NULL THEN l.acquired_at ELSE now() END,
-               now() + (n.e->>'t')::float8 * interval '1 second',
+               -- clock_timestamp(), not now(): now() is when this statement
+               -- started, which can be before the waiter's entry was sent when
+               -- the release waited for the row lock behind that entry's
+               -- enqueue. The waiter trusts from that send (G5), so the expiry
+               -- must count from after it: from when the lock was held.
+               clock_timestamp() + (n.e->>'t')::float8 * interval '1 second',
                CASE WHEN n.e IS NULL THEN l.label ELSE n.e->>'l' END,
                CASE WHEN n.i IS NOT NULL  -- the entries after the one served; none live: none kept
                    THEN nullif(jsonb_path_query_array(l.queue, '$[$k to last]', jsonb_build_object('k', n.i)), '[]')

@@ -289,6 +289,37 @@ def test_joining_the_queue_waits_for_a_concurrent_change_and_keeps_it(pg: Db) ->
     assert [e["o"] for e in queue(pg, "epq")] == ["other"]
 
 
+def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_began(pg: Db) -> None:
+    """G5 for handed leases: the waiter trusts from its queueing attempt's send time.
+
+    A release that waited for the row lock behind that attempt began before it
+    was sent; an expiry counted from the release's start (PostgreSQL's now())
+    would end before the waiter stops trusting, and a third client could take
+    the lock while the waiter still works (G1). Here the "attempt" is a
+    transaction that queues a waiter and commits 0.5 s after the release began.
+    """
+    holder = pg.locker()
+    lease = holder.try_acquire("g5h", ttl=60)
+    assert lease is not None
+    conn = pg.connect()
+    conn.execute("BEGIN")
+    conn.execute(
+        f"""UPDATE {pg.table} SET queue = '[{{"o": "waiter", "t": 2, "l": null, "p": null, "s": null,
+        "d": 1e12}}]'::jsonb WHERE name = 'g5h'"""
+    )
+    t, out = in_thread(lease.release)
+    wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
+             what="the release to wait for the row lock")
+    time.sleep(0.5)  # the gap between the release's start and the waiter's send
+    [(sent,)] = conn.execute("SELECT clock_timestamp()").fetchall()  # the waiter "sends" its attempt
+    conn.execute("COMMIT")
+    conn.close()
+    assert joined(t, out) is True
+    [(owner, expires_at)] = pg.query(f"SELECT owner, expires_at FROM {pg.table} WHERE name = 'g5h'")
+    assert owner == "waiter"
+    assert (expires_at - sent).total_seconds() >= 2, "the handed lease expires before the waiter stops trusting it"
+
+
 # -- resources ------------------------------------------------------------------------
 def test_one_listener_connection_however_many_waits(pg: Db, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_wait, "IDLE_CLOSE", 0.5)
