@@ -1,112 +1,206 @@
-"""Connections for lock statements, and running one statement on one of them.
+"""Connections for lock statements, and running one statement on one of them, in bounded time.
 
 Lock statements never share the caller's transaction: each runs in autocommit
 on a connection dblock keeps for itself, so a grant is visible to every other
 client the moment it is made. The hot path talks to the driver directly
-(psycopg 3 with server-side prepared statements, or sqlite3): SQLAlchemy opens
-the connections and knows the dialect, but adds nothing per call.
+(psycopg 3, with server-side prepared statements unless ``prepare=False``, or
+sqlite3): SQLAlchemy knows the URL and the dialect, but adds nothing per call.
+
+Three bounds keep every call's time and cost finite whatever the server does:
+
+- **A pool of at most ``size`` connections** per Driver. A thread that finds
+  them all busy waits for one, within its own deadline. Waiters between
+  attempts hold none.
+- **Connecting** is bounded by libpq's ``connect_timeout`` (whole seconds, at
+  least 2), set from the caller's deadline; TCP keepalives and
+  ``tcp_user_timeout`` make a dead peer show up on idle and busy sockets.
+- **A statement** is bounded by one watchdog thread per process: a statement
+  still running at its deadline has its socket shut down, so the waiting call
+  returns at once with an error. That covers what the server cannot bound
+  itself (a frozen postmaster, a black-holed network), and works behind a
+  transaction pooler, which would refuse per-session settings at connect.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import socket
 import sqlite3
 import threading
-from typing import Any, Sequence
+import time
+from typing import Any, NamedTuple, Sequence
 
 import psycopg
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from .errors import DatabaseUnavailable, DBLockError, SchemaMissing
+from .errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
 
 log = logging.getLogger("dblock.driver")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-MAX_IDLE = 8
+MIN_CONNECT_TIMEOUT = 2  # libpq counts connect_timeout in whole seconds, and at least 2
 
 _MISSING_SCHEMA_HINT = "run `dblock migrate` or call Locker.create_schema() first"
+# SQLSTATE classes of a server that is going away, starting up or out of room:
+# connection exception, operator intervention (shutdown, crash recovery), insufficient resources.
+_OUTAGE_CLASSES = ("08", "57", "53")
 
 
 class Busy(DatabaseUnavailable):
     """SQLite stayed write-locked by another connection for the whole time allowed."""
 
 
+class Result(NamedTuple):
+    """What ``Driver.run`` got back."""
+
+    rows: list[Sequence[Any]]  # the statement's rows
+    extra: list[Sequence[Any]]  # the follow-up statement's rows (``then``), when the first returned none
+    retried: bool  # the statement was sent a second time because the first connection broke
+
+
 class _Conn:
-    __slots__ = ("raw", "cursor", "busy_ms")
+    __slots__ = ("raw", "cursor", "busy_ms", "deadline", "cut")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.cursor = raw.cursor()
         self.busy_ms = SQLITE_BUSY_TIMEOUT_MS
+        self.deadline = math.inf  # while a statement runs: when the watchdog cuts it
+        self.cut = False  # the watchdog shut this connection's socket down
 
 
 class Driver:
-    """A small LIFO pool of autocommit driver connections, safe across threads and forks."""
+    """A bounded LIFO pool of autocommit driver connections, safe across threads and forks."""
 
-    def __init__(self, engine: Engine, where: str, table: str, *, prepare: bool = True) -> None:
+    def __init__(self, engine: Engine, where: str, table: str, *, prepare: bool = True, size: int = 10) -> None:
         self.engine = engine
+        self.dialect = engine.dialect.name
+        self.where = where  # the URL without its password, for messages
+        self.table = table
+        self.size = size
         # False behind a transaction pooler (PgBouncer pool_mode=transaction):
         # a statement prepared on one server session may be run by another
         # client's session with that client's parameters.
         self.prepare = prepare
-        self.dialect = engine.dialect.name
-        self.where = where  # the URL without its password, for messages
-        self.table = table
+        if self.dialect == "postgresql":
+            cargs, cparams = engine.dialect.create_connect_args(engine.url)
+            self._conninfo: dict[str, Any] = {**dict(cparams), **_conninfo_args(cargs)}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
         self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
+        self._open = 0  # connections checked out or idle (the listener's is not counted)
         self._pid = os.getpid()
 
     # -- connections -------------------------------------------------------
-    def _connect(self) -> _Conn:
+    def connect(self, deadline: float) -> Any:
+        """A new autocommit driver connection (outside the pool), opened before ``deadline``."""
+        if self.dialect != "postgresql":
+            return self._connect_sqlite()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DatabaseUnavailable(f"no time left to connect to {self.where}")
+        params = {
+            # Where the URL sets none of its own: notice a dead peer on an idle
+            # socket (keepalives) and on a socket with unacknowledged data
+            # (tcp_user_timeout), instead of after the kernel's 15 minutes.
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 10_000,
+            **self._conninfo,
+            "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(left)),
+        }
+        try:
+            raw = psycopg.Connection.connect(
+                autocommit=True, prepare_threshold=5 if self.prepare else None, **params
+            )
+        except psycopg.Error as exc:
+            raise _unavailable(f"cannot connect to {self.where}: {_first_line(exc)}", exc) from exc
+        return raw
+
+    def _connect_sqlite(self) -> Any:
         try:
             fairy = self.engine.raw_connection()
-        except (SQLAlchemyError, psycopg.Error, sqlite3.Error) as exc:
-            raise DatabaseUnavailable(f"cannot connect to {self.where}: {_first_line(exc)}") from exc
-        # Our own connection from now on: not returned to (or reset by) the
-        # engine's pool, so the caller's pool is not drained by held locks.
+        except (SQLAlchemyError, sqlite3.Error) as exc:
+            raise DatabaseUnavailable(f"cannot open {self.where}: {_first_line(exc)}") from exc
+        # Our own connection from now on: not returned to (or reset by) the engine's pool.
         raw: Any = fairy.driver_connection
         fairy.detach()
-        if self.dialect == "postgresql":
-            raw.autocommit = True
-            if not self.prepare:
-                raw.prepare_threshold = None  # never prepare, not even after 5 runs
-        else:
-            raw.isolation_level = None  # autocommit: each statement is its own transaction
-            raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        return _Conn(raw)
+        raw.isolation_level = None  # autocommit: each statement is its own transaction
+        raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        return raw
 
-    def listen_connection(self) -> Any:
-        """A new autocommit psycopg connection for the listener, outside the pool."""
-        return self._connect().raw
-
-    def _get(self) -> _Conn:
+    def _checkout(self, deadline: float, fresh: bool = False) -> _Conn:
+        """A connection of the pool: an idle one, a new one while fewer than ``size`` are
+        open, or else the next one returned, waiting no later than ``deadline``."""
         if self._pid != os.getpid():
             # A forked child must not talk over its parent's sockets, and must not
             # wait for a lock some other parent thread held at the fork.
-            self._lock = threading.Lock()
-            self._idle = []
-            self._pid = os.getpid()
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
+            self._reset()
+        with self._cond:
+            while True:
+                if self._idle and not fresh:
+                    return self._idle.pop()
+                if self._open < self.size:
+                    self._open += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DatabaseUnavailable(
+                        f"all {self.size} of this Locker's connections to {self.where} stayed busy "
+                        "until the call's deadline (see Locker(max_connections=...))"
+                    )
+                self._cond.wait(left)
+        try:
+            return _Conn(self.connect(deadline))
+        except BaseException:
+            self._forget(1)
+            raise
 
-    def _put(self, conn: _Conn) -> None:
-        with self._lock:
-            if self._pid == os.getpid() and len(self._idle) < MAX_IDLE:
+    def _checkin(self, conn: _Conn) -> None:
+        with self._cond:
+            if self._pid == os.getpid() and not conn.cut:
                 self._idle.append(conn)
+                self._cond.notify()
                 return
+        self._discard(conn)
+
+    def _discard(self, conn: _Conn) -> None:
         _close(conn)
+        self._forget(1)
+
+    def _forget(self, count: int) -> None:
+        with self._cond:
+            if self._pid == os.getpid():
+                self._open -= count
+                self._cond.notify(count)
+
+    def _drain(self) -> None:
+        with self._cond:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            _close(conn)
+        self._forget(len(idle))
+
+    def open_connections(self) -> int:
+        """How many pooled connections are open now (idle or running a statement)."""
+        with self._cond:
+            return self._open if self._pid == os.getpid() else 0
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             idle, self._idle = self._idle, []
             mine = self._pid == os.getpid()
         if mine:
             for conn in idle:
                 _close(conn)
+            self._forget(len(idle))
 
     # -- statements --------------------------------------------------------
     def run(
@@ -115,15 +209,16 @@ class Driver:
         params: dict[str, Any],
         then: str | None = None,
         *,
+        deadline: float,
         before: str | None = None,
-        budget: float | None = None,
-    ) -> tuple[list[Sequence[Any]], list[Sequence[Any]], bool]:
-        """Run ``sql`` (and, if it returned no row, ``then``) on one connection.
+    ) -> Result:
+        """Run ``sql`` (and, if it returned no row, ``then``) on one connection, by ``deadline``.
 
-        Returns both statements' rows, and whether the statement had to be
-        sent twice because the first connection broke. ``before`` runs first,
-        in one transaction with ``sql``. ``budget`` caps, in seconds, how long
-        SQLite may wait for another writer (then ``Busy`` is raised).
+        ``deadline`` (``time.monotonic()`` seconds) bounds the whole call:
+        waiting for a connection, connecting, the statement, and SQLite's wait
+        for another writer (then ``Busy``). A statement still running at the
+        deadline is cut off (``DatabaseUnavailable``): it may or may not have
+        committed. ``before`` runs first, in one transaction with ``sql``.
 
         A connection that breaks mid-statement is thrown away, with the idle
         ones (after a restart or failover they are all dead), and the statement
@@ -133,43 +228,57 @@ class Driver:
         owner, token), so a second try changes nothing the first did not.
         """
         for attempt in (1, 2):
-            conn = self._get() if attempt == 1 else self._connect()
+            conn = self._checkout(deadline, fresh=attempt == 2)
             try:
-                if budget is not None and self.dialect == "sqlite":
-                    self._busy_timeout(conn, budget)
-                if before is not None:
-                    with conn.raw.transaction():
-                        self._execute(conn, before, {})
-                        rows = self._execute(conn, sql, params)
+                if self.dialect == "sqlite":
+                    self._busy_timeout(conn, deadline)
+                    result = self._statements(conn, sql, params, then, before)
                 else:
-                    rows = self._execute(conn, sql, params)
-                extra = self._execute(conn, then, params) if then is not None and not rows else []
+                    _watchdog.watch(conn, deadline)
+                    try:
+                        result = self._statements(conn, sql, params, then, before)
+                    finally:
+                        _watchdog.done(conn)
             except (psycopg.Error, sqlite3.Error) as exc:
+                if conn.cut:
+                    self._discard(conn)
+                    raise DatabaseUnavailable(
+                        f"{self.where} did not answer in time; the statement was cut off "
+                        "(it may or may not have taken effect)"
+                    ) from exc
                 if _is_broken(conn):
-                    _close(conn)
+                    self._discard(conn)
                     self._drain()
-                    if attempt == 1:
+                    if attempt == 1 and time.monotonic() < deadline:
                         log.warning("connection to %s broke (%s); retrying once", self.where, _first_line(exc))
                         continue
-                    raise DatabaseUnavailable(f"lost the connection to {self.where}: {_first_line(exc)}") from exc
-                self._put(conn)
-                raise self._translate(exc, budget) from exc
+                    raise _unavailable(f"lost the connection to {self.where}: {_first_line(exc)}", exc) from exc
+                self._checkin(conn)
+                raise self._translate(exc) from exc
             except BaseException:
-                _close(conn)  # interrupted mid-statement: its state is unknown
+                self._discard(conn)  # interrupted mid-statement: its state is unknown
                 raise
-            self._put(conn)
-            return rows, extra, attempt == 2
+            # Answered, though maybe in the instant the watchdog cut it: the
+            # result stands, and a cut connection is not put back (_checkin).
+            self._checkin(conn)
+            return Result(*result, attempt == 2)
         raise AssertionError("unreachable")
 
-    def _drain(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            _close(conn)
+    def _statements(
+        self, conn: _Conn, sql: str, params: dict[str, Any], then: str | None, before: str | None
+    ) -> tuple[list[Sequence[Any]], list[Sequence[Any]]]:
+        if before is not None:
+            with conn.raw.transaction():
+                self._execute(conn, before, {})
+                rows = self._execute(conn, sql, params)
+        else:
+            rows = self._execute(conn, sql, params)
+        return rows, self._execute(conn, then, params) if then is not None and not rows else []
 
     @staticmethod
-    def _busy_timeout(conn: _Conn, budget: float) -> None:
-        ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, budget * 1000)))
+    def _busy_timeout(conn: _Conn, deadline: float) -> None:
+        # Set for every call: how long this call may wait for another writer.
+        ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
         if ms != conn.busy_ms:
             conn.raw.execute(f"PRAGMA busy_timeout = {ms}")
             conn.busy_ms = ms
@@ -184,22 +293,123 @@ class Driver:
             cur.execute(sql, params)
         return cur.fetchall() if cur.description is not None else []
 
-    def _translate(self, exc: Exception, budget: float | None) -> DBLockError:
+    def _translate(self, exc: Exception) -> DBLockError:
+        sqlstate = getattr(exc, "sqlstate", None)
         if isinstance(exc, psycopg.errors.UndefinedTable) or (
             isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
         ):
-            return SchemaMissing(f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}")
+            return SchemaMissing(
+                f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}",
+                sqlstate=sqlstate,
+            )
         if isinstance(exc, psycopg.errors.UndefinedColumn) or (
             isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
         ):
             return SchemaMissing(
                 f"dblock's table {self.table!r} in {self.where} is from an older dblock ({_first_line(exc)}): "
-                f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}"
+                f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}",
+                sqlstate=sqlstate,
+            )
+        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            return PermissionDenied(
+                f"{self.where}: {_first_line(exc)} (grant the privileges listed in the README's "
+                "least-privilege section)",
+                sqlstate=sqlstate,
             )
         if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-            waited = SQLITE_BUSY_TIMEOUT_MS / 1000 if budget is None else min(budget, SQLITE_BUSY_TIMEOUT_MS / 1000)
-            return Busy(f"{self.where} stayed locked by another writer for {waited:g} s")
-        return DBLockError(f"{self.where}: {_first_line(exc)}")
+            return Busy(f"{self.where} stayed locked by another writer for the whole time allowed")
+        if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+            return DatabaseUnavailable(f"{self.where} is not a SQLite database: {_first_line(exc)}")
+        if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
+            return DatabaseUnavailable(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
+        return DBLockError(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
+
+
+class _Watchdog:
+    """One thread per process that cuts statements still running at their deadline.
+
+    The hot path only records the deadline on the connection; the thread is
+    woken when a deadline earlier than its next wake-up arrives (rare: with one
+    per-call limit, later statements have later deadlines), and otherwise wakes
+    at the earliest deadline, finds most statements long done, and sleeps on.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._busy: set[_Conn] = set()
+        self._wake_at = math.inf
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def watch(self, conn: _Conn, deadline: float) -> None:
+        if self._pid != os.getpid():
+            self._reset()  # the parent's thread did not survive the fork
+        with self._cond:
+            conn.deadline = deadline
+            self._busy.add(conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dblock-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline < self._wake_at:
+                self._cond.notify()
+
+    def done(self, conn: _Conn) -> None:
+        with self._cond:
+            self._busy.discard(conn)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for conn in [c for c in self._busy if c.deadline <= now]:
+                    # Under the lock: done() cannot return the connection to the
+                    # pool (and another statement start on it) while we cut it.
+                    self._busy.discard(conn)
+                    conn.cut = True
+                    shutdown_socket(conn.raw)
+                # Keep the old wake-up while nothing runs, so the next statement
+                # (whose deadline is later) does not have to wake this thread.
+                soonest = min((c.deadline for c in self._busy), default=math.inf)
+                if soonest < math.inf or self._wake_at <= now:
+                    self._wake_at = soonest
+                self._cond.wait(None if self._wake_at == math.inf else max(self._wake_at - now, 0.001))
+
+
+_watchdog = _Watchdog()
+
+
+def shutdown_socket(raw: Any) -> None:
+    """Wake any thread blocked on ``raw``'s socket at once: it reads end-of-file.
+
+    Shut down through a duplicate descriptor, so the connection's own
+    descriptor is never closed under the thread using it (its number could be
+    reused by another file meanwhile).
+    """
+    try:
+        fd = os.dup(raw.fileno())
+    except Exception:  # noqa: BLE001 - already closed: nothing is blocked on it
+        return
+    with socket.socket(fileno=fd) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _conninfo_args(cargs: Sequence[Any]) -> dict[str, Any]:
+    # The psycopg dialect passes everything as keywords; a positional conninfo
+    # string (should a dialect version pass one) is kept as psycopg's own.
+    return {"conninfo": cargs[0]} if cargs else {}
+
+
+def _unavailable(message: str, exc: BaseException) -> DBLockError:
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # e.g. no CONNECT on the database
+        return PermissionDenied(message, sqlstate=sqlstate)
+    return DatabaseUnavailable(message, sqlstate=sqlstate)
 
 
 def _is_broken(conn: _Conn) -> bool:

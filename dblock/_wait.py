@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
+
+from ._driver import shutdown_socket
 
 log = logging.getLogger("dblock.wait")
 
@@ -54,14 +55,16 @@ class Slot:
 class Listener:
     """The process's LISTEN connection for one Locker, shared by all its waiting threads."""
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
-        self._connect = connect  # returns an autocommit psycopg connection of our own
+    def __init__(self, connect: Callable[[float], Any]) -> None:
+        self._connect = connect  # (deadline) -> an autocommit psycopg connection of our own
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
         self._thread: threading.Thread | None = None
         self._conn: Any = None
         self._ident: tuple[int, str] | None = None  # (backend pid, backend_start) while listening
         self._stop = False
+        self._starting = False  # a thread is connecting the listener (outside the lock)
+        self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
         self._pid = os.getpid()
         self._id = secrets.token_hex(ID_LENGTH // 2)
 
@@ -71,21 +74,59 @@ class Listener:
         self._after_fork()
         return self._id + secrets.token_hex(ID_LENGTH // 2)
 
-    def register(self, owner: str) -> tuple[Slot, tuple[int, str] | None]:
+    def register(self, owner: str, deadline: float) -> tuple[Slot, tuple[int, str] | None]:
         """A mailbox for ``owner`` (from ``owner_id``), and the listening session to name
         in its queue entry.
 
-        Starts the listener if it is not running (and waits until LISTEN is in
-        effect, so no hand-off sent after this returns can be missed). The
-        session is None when LISTEN is unavailable: then the waiter polls.
+        Starts the listener if it is not running (connecting by ``deadline``,
+        and waiting until LISTEN is in effect, so no hand-off sent after this
+        returns can be missed). The session is None when LISTEN is unavailable,
+        or another thread is starting the listener just now: then the waiter
+        polls, and its hand-offs still reach its mailbox once the listener runs.
         """
         self._after_fork()
         slot = Slot()
         with self._lock:
             self._slots[owner] = slot
-            if self._thread is None or not self._thread.is_alive():
-                self._start()
-            return slot, self._ident
+        self.revive(deadline)
+        return slot, self._ident
+
+    def revive(self, deadline: float) -> None:
+        """Start the listener if it is not running (after an outage killed it, say).
+
+        Connects outside the lock, so other waiters are never held up by a slow
+        or silent server; after a failed try, the next one waits a second.
+        """
+        with self._lock:
+            running = self._thread is not None and self._thread.is_alive()
+            if running or self._starting or time.monotonic() < self._next_start:
+                return
+            self._starting, self._stop = True, False
+        conn, ident = None, None
+        try:
+            conn = self._connect(deadline)
+            conn.execute(f"SET application_name = '{APPLICATION_NAME}'")
+            conn.execute(f"LISTEN {CHANNEL_PREFIX}{self._id}")
+            row = conn.execute(
+                "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
+            ).fetchone()
+            ident = (int(row[0]), str(row[1]))
+        except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
+            log.warning("cannot LISTEN for lock hand-offs (%s); waiting by polling", exc)
+            if conn is not None:
+                _close(conn)
+            with self._lock:
+                self._starting = False
+                self._next_start = time.monotonic() + 1.0
+            return
+        with self._lock:
+            self._starting = False
+            if self._stop or self._pid != os.getpid():  # closed (or forked) while connecting
+                _close(conn)
+                return
+            self._conn, self._ident = conn, ident
+            self._thread = threading.Thread(target=self._run, args=(conn,), name="dblock-listener", daemon=True)
+            self._thread.start()
 
     def unregister(self, owner: str) -> None:
         with self._lock:
@@ -100,25 +141,6 @@ class Listener:
             return len(self._slots)
 
     # -- the thread --------------------------------------------------------------
-    def _start(self) -> None:
-        # Called with self._lock held: connect and LISTEN here, so the caller's
-        # enqueue goes out only after the listener can hear its hand-off.
-        self._stop = False
-        try:
-            conn = self._connect()
-            conn.execute(f"SET application_name = '{APPLICATION_NAME}'")
-            conn.execute(f"LISTEN {CHANNEL_PREFIX}{self._id}")
-            row = conn.execute(
-                "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
-            ).fetchone()
-        except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
-            log.warning("cannot LISTEN for lock hand-offs (%s); waiting by polling", exc)
-            self._conn, self._ident, self._thread = None, None, None
-            return
-        self._conn, self._ident = conn, (int(row[0]), str(row[1]))
-        self._thread = threading.Thread(target=self._run, args=(conn,), name="dblock-listener", daemon=True)
-        self._thread.start()
-
     def _run(self, conn: Any) -> None:
         idle_since: float | None = None
         try:
@@ -154,10 +176,7 @@ class Listener:
         # With self._lock held. The next register() starts a new listener.
         if self._conn is conn:
             self._conn, self._ident, self._thread = None, None, None
-        try:
-            conn.close()
-        except Exception:  # noqa: BLE001 - closing a broken connection
-            pass
+        _close(conn)
 
     def _dispatch(self, payload: str) -> None:
         owner, _, rest = payload.partition(" ")
@@ -183,7 +202,7 @@ class Listener:
             if conn is not None:
                 # Under the lock: the thread closes the connection only while holding it,
                 # so its descriptor cannot have been closed (and its number reused) here.
-                _interrupt(conn)
+                shutdown_socket(conn)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2 * _POLL + 1)
 
@@ -192,28 +211,16 @@ class Listener:
             # The parent's thread did not survive the fork and its socket is not ours.
             self._lock = threading.Lock()
             self._slots, self._thread, self._conn, self._ident = {}, None, None, None
-            self._stop = False
+            self._stop, self._starting, self._next_start = False, False, 0.0
             self._pid = os.getpid()
             self._id = secrets.token_hex(ID_LENGTH // 2)  # the parent's channel is the parent's
 
 
-def _interrupt(conn: Any) -> None:
-    """Wake the listener thread out of its wait on ``conn`` at once.
-
-    Shutting the socket down (through a duplicate descriptor, so the
-    connection's own descriptor is never closed under it) makes the thread's
-    read see end-of-file; the thread then closes the connection and the
-    server ends the session.
-    """
+def _close(conn: Any) -> None:
     try:
-        fd = os.dup(conn.fileno())
-    except Exception:  # noqa: BLE001 - already closed: the thread is on its way out
-        return
-    with socket.socket(fileno=fd) as sock:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        conn.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection
+        pass
 
 
 class _Line:

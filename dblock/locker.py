@@ -25,10 +25,11 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from . import statements
+from ._cleanup import Cleanup
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
 from ._wait import Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
-from .errors import LeaseLost, LockNotAcquired
+from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
 from .renew import OnLost
 from .schema import DEFAULT_TABLE, LABEL_LENGTH, default_sqlite_path
@@ -37,6 +38,13 @@ log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
 
 DEFAULT_TTL = 30.0
+DEFAULT_OP_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 10
+# A waiting acquire's last statements (the attempt in flight at its deadline,
+# leaving the queue) may run this much past it before they are cut off.
+GRACE = 1.0
+# While the database is unreachable, a wait retries after this pause, doubling.
+OUTAGE_RETRY_MIN, OUTAGE_RETRY_MAX = 0.05, 1.0
 
 
 class Locker:
@@ -64,6 +72,13 @@ class Locker:
     transaction pooler (PgBouncer with ``pool_mode = transaction``), where a
     server-side prepared statement can be run by another client's session.
     Use ``notify=False`` there too (LISTEN needs a session of its own).
+
+    Time and connections are bounded (see the README's "Failures and limits"):
+    every call but a waiting ``acquire`` returns or raises within
+    ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
+    within its ``timeout`` plus ``GRACE``, riding out outages shorter than
+    that; and the Locker opens at most ``max_connections`` connections for its
+    statements, plus one listener connection while threads wait.
     """
 
     def __init__(
@@ -80,6 +95,8 @@ class Locker:
         fair: bool = True,
         notify: bool = True,
         prepare: bool = True,
+        op_timeout: float = DEFAULT_OP_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.table = check_identifier(table, "table")
         self.schema = None if schema is None else check_identifier(schema, "schema")
@@ -97,14 +114,20 @@ class Locker:
             if not isinstance(value, bool):
                 raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
         self.fair, self.notify = fair, notify
+        self.op_timeout = check_interval(op_timeout, "op_timeout")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+            raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
+        if not 1 <= max_connections <= 1000:
+            raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
         self.engine, self._needs_migration = _engine(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = self.engine.url.render_as_string(hide_password=True)
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
-        self._driver = Driver(self.engine, where, self.table, prepare=prepare)
+        self._driver = Driver(self.engine, where, self.table, prepare=prepare, size=max_connections)
         self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue in the row
-        self._listener = Listener(self._driver.listen_connection) if self._queued and notify else None
+        self._listener = Listener(self._driver.connect) if self._queued and notify else None
+        self._cleanup = Cleanup()
         self._hot = Hotspot()
         self._migrated = threading.Lock()
         self._default_label = ("", -1)  # (label, pid it was made in)
@@ -152,7 +175,12 @@ class Locker:
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         _check_renew(renew, on_lost)
-        lease, _ = self._attempt(name, secrets.token_hex(16), ttl)
+        owner = secrets.token_hex(16)
+        try:
+            lease, _ = self._attempt(name, owner, ttl, self._deadline())
+        except DatabaseUnavailable:
+            self._abandon(name, owner, ttl)
+            raise
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -186,7 +214,11 @@ class Locker:
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            lease, _ = self._attempt(name, owner, ttl, budget=0.001)
+            try:
+                lease, _ = self._attempt(name, owner, ttl, self._bound(deadline))
+            except DatabaseUnavailable:
+                self._abandon(name, owner, ttl)
+                raise
             if lease is None:
                 raise LockNotAcquired(name, timeout)
             return lease
@@ -194,24 +226,88 @@ class Locker:
             return self._wait_in_queue(name, owner, ttl, timeout, deadline)
         return self._wait_in_line(name, owner, ttl, timeout, deadline)
 
+    def _deadline(self) -> float:
+        """The deadline of a one-statement call starting now."""
+        return time.monotonic() + self.op_timeout
+
+    def _bound(self, deadline: float) -> float:
+        """The deadline of one statement of a wait that ends at ``deadline``.
+
+        SQLite's only wait is for another writer, which the wait's own deadline
+        bounds; elsewhere a statement may run ``GRACE`` past it, so the attempt
+        in flight at the deadline is not cut off when the server is merely slow.
+        """
+        now = time.monotonic()
+        if self._sql.dialect == "sqlite":
+            return min(now + self.op_timeout, max(deadline, now + 0.001))
+        return min(now + self.op_timeout, deadline + GRACE)
+
+    def _abandon(self, name: str, owner: str, ttl: float) -> None:
+        """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
+        self._cleanup.add(
+            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner), time.monotonic() + ttl
+        )
+
+    def _forget(self, name: str, owner: str) -> None:
+        """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
+        if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
+            rows = self._driver.run(self._sql.cancel, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+            held = bool(rows and rows[0][0])
+        else:
+            rows = self._driver.run(
+                self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
+            ).rows
+            held = bool(rows)
+        if held:
+            token = rows[0][1] if self._sql.cancel is not None else rows[0][0]
+            self._end({"name": name, "owner": owner, "token": token}, self._deadline())
+
+    def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
+        """Sleep out a moment of an outage (never past ``deadline``); the next pause."""
+        left = deadline - time.monotonic()
+        pause = min(delay * (1 + random.random()), left)
+        log.info("database unavailable while waiting for %r (%s); retrying in %.3f s", name, exc, max(pause, 0))
+        if pause > 0:
+            time.sleep(pause)
+        return min(delay * 2, OUTAGE_RETRY_MAX)
+
+    @staticmethod
+    def _out_of_time(name: str, timeout: float, outage: DatabaseUnavailable | None) -> Exception:
+        if outage is None:
+            return LockNotAcquired(name, timeout)
+        return DatabaseUnavailable(
+            f"lock {name!r} was not acquired within {timeout:g} s: the database was unavailable ({outage})",
+            sqlstate=outage.sqlstate,
+        )
+
     def _wait_in_line(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
         """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO)."""
         me = self._hot.join(name)
         try:
             if not me.wait(_seconds(deadline - time.monotonic())):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
-            delay = self.poll_min
+            delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
+            outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
+            unsure = False  # an attempt went unanswered: it may have granted us the lease
             while True:
                 me.clear()  # set again by a release in this process: try at once
                 try:
-                    lease, wait = self._attempt(name, owner, ttl, budget=deadline - time.monotonic())
+                    lease, wait = self._attempt(name, owner, ttl, self._bound(deadline))
+                    outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except Busy:  # SQLite: another writer held the file for all the time we had
                     lease, wait = None, None
+                except DatabaseUnavailable as exc:  # ride it out until the deadline
+                    lease, wait, outage, unsure = None, None, exc, True
                 if lease is not None:
                     return lease
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LockNotAcquired(name, timeout)
+                    if unsure:
+                        self._abandon(name, owner, ttl)
+                    raise self._out_of_time(name, timeout, outage)
+                if outage is not None:
+                    outage_delay = self._outage(outage, name, outage_delay, deadline)
+                    continue
                 pause = self._backoff(delay, wait)
                 delay = min(delay * 2, self.poll_max)
                 log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
@@ -235,24 +331,39 @@ class Locker:
         slot, ident = None, None
         if listener is not None:
             owner = listener.owner_id()  # hand-offs to it are notified on this listener's channel
-            slot, ident = listener.register(owner)
+            slot, ident = listener.register(owner, min(deadline, self._deadline()))
         queued_at: float | None = None  # send time of the last attempt that queued us
+        outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
+        unsure = False  # an attempt went unanswered: it may have queued us or granted us the lease
+        outage_delay = OUTAGE_RETRY_MIN
         try:
             while True:
                 left = deadline - time.monotonic()
                 if listener is not None:
                     ident = listener.ident
+                    if ident is None:  # not running (an outage killed it): start it again
+                        listener.revive(min(deadline, self._deadline()))
+                        ident = listener.ident
                 # Poll (or fall back) at most every 2 x poll_max; an entry not
                 # refreshed well after that is skipped as dead.
                 lapse = min(left, 4 * self.poll_max + 1.0)
                 sent_at = time.monotonic()
-                rows, _, _ = self._driver.run(
-                    self._sql.enqueue,  # type: ignore[arg-type]
-                    {
-                        "name": name, "owner": owner, "ttl": ttl, "label": self._label(), "lapse": lapse,
-                        "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                    },
-                )
+                try:
+                    rows = self._driver.run(
+                        self._sql.enqueue,  # type: ignore[arg-type]
+                        {
+                            "name": name, "owner": owner, "ttl": ttl, "label": self._label(), "lapse": lapse,
+                            "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
+                        },
+                        deadline=self._bound(deadline),
+                    ).rows
+                    outage, outage_delay = None, OUTAGE_RETRY_MIN
+                except DatabaseUnavailable as exc:  # ride it out until the deadline
+                    outage, unsure = exc, True
+                    if time.monotonic() >= deadline:
+                        break
+                    outage_delay = self._outage(exc, name, outage_delay, deadline)
+                    continue
                 if not rows:
                     continue  # a concurrent first acquire created the row just now: look again
                 granted, token, expires_at, wait, ahead = rows[0]
@@ -269,7 +380,7 @@ class Locker:
                     slot.event.wait(min(pause, left))
                     if slot.grant is not None:
                         token, expiry = slot.grant
-                        lease = self._handed(name, owner, ttl, token, _when(expiry), queued_at)
+                        lease = self._handed(name, owner, ttl, token, _when(expiry), queued_at, deadline)
                         if lease is not None:
                             return lease
                         slot.grant = None  # handed, then lost before we could use it: wait on
@@ -284,18 +395,30 @@ class Locker:
                 if pause >= left or time.monotonic() >= deadline:
                     break  # slept to the deadline (the sleep may end a hair early)
             # Out of time: leave the queue, unless a release handed us the lease first.
-            rows, _, _ = self._driver.run(self._sql.cancel, {"name": name, "owner": owner})  # type: ignore[arg-type]
-            if rows and rows[0][0] and queued_at is not None:
-                lease = self._handed(name, owner, ttl, rows[0][1], _when(rows[0][2]), queued_at)
-                if lease is not None:
-                    return lease
-            raise LockNotAcquired(name, timeout)
+            try:
+                rows = self._driver.run(
+                    self._sql.cancel, {"name": name, "owner": owner}, deadline=self._bound(deadline)  # type: ignore[arg-type]
+                ).rows
+            except DatabaseUnavailable as exc:
+                self._abandon(name, owner, ttl)
+                raise self._out_of_time(name, timeout, exc) from exc
+            if rows and rows[0][0]:
+                # A release handed us the lease, or an attempt whose reply was
+                # lost granted it. Either way after the last attempt that came
+                # back "queued" was sent, which then starts its trust (G5).
+                if queued_at is not None:
+                    lease = self._handed(name, owner, ttl, rows[0][1], _when(rows[0][2]), queued_at, deadline)
+                    if lease is not None:
+                        return lease
+                else:  # no such attempt: we cannot tell when it was granted, so end it
+                    self._end({"name": name, "owner": owner, "token": rows[0][1]}, self._bound(deadline))
+            raise self._out_of_time(name, timeout, outage)
         finally:
             if listener is not None:
                 listener.unregister(owner)
 
     def _handed(
-        self, name: str, owner: str, ttl: float, token: int, expires_at: datetime, queued_at: float
+        self, name: str, owner: str, ttl: float, token: int, expires_at: datetime, queued_at: float, deadline: float
     ) -> Lease | None:
         """A lease a release handed us, or None if it was lost before we woke.
 
@@ -307,7 +430,7 @@ class Locker:
         lease = Lease(self, name, owner, token, expires_at, ttl, queued_at)
         if lease.remaining() < ttl / 2:
             try:
-                self._extend(lease, None)
+                self._extend(lease, None, self._bound(deadline))
             except LeaseLost:
                 return None
         return lease
@@ -338,15 +461,17 @@ class Locker:
         )
 
     def _attempt(
-        self, name: str, owner: str, ttl: float, budget: float | None = None
+        self, name: str, owner: str, ttl: float, deadline: float | None = None
     ) -> tuple[Lease | None, float | None]:
         self._ensure_schema()
+        if deadline is None:
+            deadline = self._deadline()
         sent_at = time.monotonic()
         rows, holder, _ = self._driver.run(
             self._sql.acquire,
             {"name": name, "owner": owner, "ttl": ttl, "label": self._label()},
             self._sql.holder,
-            budget=None if budget is None else max(budget, 0.001),
+            deadline=deadline,
         )
         if self._sql.dialect == "postgresql":
             if not rows:
@@ -376,24 +501,36 @@ class Locker:
         # Before the statement: a renewal extend that finds the row cleared by
         # this release must not take it for a loss.
         lease._released = True
-        ended = self._end(_key(lease))
+        key = _key(lease)
+        try:
+            ended = self._end(key, self._deadline())
+        except DatabaseUnavailable:
+            # Unconfirmed: keep ending it in the background until it would expire.
+            self._cleanup.add(
+                f"the lease on {lease.name!r} (token {lease.token})",
+                lambda: self._end(key, self._deadline()),
+                time.monotonic() + lease.ttl,
+            )
+            raise
         if not self._queued:  # fair waiters are handed the lease by the release itself
             self._hot.released(lease.name)
         return ended
 
-    def _end(self, key: dict[str, Any]) -> bool:
-        rows, _, retried = self._driver.run(self._sql.release, key)
+    def _end(self, key: dict[str, Any], deadline: float) -> bool:
+        rows, _, retried = self._driver.run(self._sql.release, key, deadline=deadline)
         if not rows and retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
-            rows, _, _ = self._driver.run(self._sql.released, key)
+            rows = self._driver.run(self._sql.released, key, deadline=deadline).rows
         return bool(rows)
 
-    def _extend(self, lease: Lease, ttl: float | None) -> None:
+    def _extend(self, lease: Lease, ttl: float | None, deadline: float | None = None) -> None:
         ttl = lease.ttl if ttl is None else check_ttl(ttl)
         self._ensure_schema()
         sent_at = time.monotonic()
-        rows, _, _ = self._driver.run(self._sql.extend, {**_key(lease), "ttl": ttl})
+        rows = self._driver.run(
+            self._sql.extend, {**_key(lease), "ttl": ttl}, deadline=self._deadline() if deadline is None else deadline
+        ).rows
         if not rows:
             if not lease._released:
                 lease._lose()
@@ -419,7 +556,7 @@ class Locker:
     def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
-        rows, _, _ = self._driver.run(self._sql.leases, {})
+        rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
         return [LeaseInfo(n, o, t, _when(a), _when(e), float(r), label) for n, o, t, a, e, r, label in rows]
 
     def force_release(self, lease: LeaseInfo) -> bool:
@@ -434,7 +571,7 @@ class Locker:
             raise TypeError(f"force_release takes a LeaseInfo from Locker.leases(), not {type(lease).__name__}")
         check_name(lease.name)
         self._ensure_schema()
-        ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token})
+        ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline())
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -446,7 +583,9 @@ class Locker:
         """
         age = check_ttl(older_than)
         self._ensure_schema()
-        rows, _, _ = self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock)
+        rows = self._driver.run(
+            self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline()
+        ).rows
         return len(rows)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ class Statements:
     prune_lock: str | None  # runs before prune, in its transaction
     enqueue: str | None = None  # PostgreSQL only: fair waiting (take it, or queue up)
     cancel: str | None = None  # PostgreSQL only: leave the queue
+    owned: str | None = None  # SQLite only: the token owner holds (PostgreSQL uses cancel)
 
 
 def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
@@ -307,4 +308,8 @@ WHERE acquired_at < {_NOW} - :age
   AND (owner IS NULL OR expires_at < {_NOW} - :age)
   AND token < (SELECT max(token) FROM {t})
 RETURNING name"""
-    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune, None)
+    # owned (after an acquire whose reply was lost)
+    # binds: name, owner
+    # returns one row (token) when owner holds the name; zero rows: it does not.
+    owned = f"SELECT token FROM {t} WHERE name = :name AND owner = :owner"
+    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune, None, owned=owned)

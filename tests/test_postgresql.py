@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import dataclasses
 
 import psycopg
@@ -258,10 +259,10 @@ def test_g2_prune_cannot_slip_under_a_first_insert(pg: Db, variant: str) -> None
 def test_retry_survives_every_pooled_connection_dying(pg: Db) -> None:
     """After a restart or failover all idle connections are dead: the retry must use a new one."""
     locker = pg.locker()
-    conns = [locker._driver._get() for _ in range(3)]
+    conns = [locker._driver._checkout(time.monotonic() + 5) for _ in range(3)]
     pids = [c.raw.info.backend_pid for c in conns]
     for c in conns:
-        locker._driver._put(c)
+        locker._driver._checkin(c)
     pg.query("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
     wait_for(
         lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)),
