@@ -319,7 +319,8 @@ class Driver:
         if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
             return Busy(f"{self.where} stayed locked by another writer for the whole time allowed")
         if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
-            return DatabaseUnavailable(f"{self.where} is not a SQLite database: {_first_line(exc)}")
+            # Permanent, not an outage: a wait must not retry it until its deadline.
+            return DBLockError(f"{self.where} is not a SQLite database: {_first_line(exc)}")
         if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
             return DatabaseUnavailable(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
         return DBLockError(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
