@@ -20,6 +20,9 @@ import dblock
 from dblock import Locker
 from dblock.pytest_plugin import PostgreSQL, memory_dir
 
+from . import pgbouncer as bouncer
+from .pgbouncer import PgBouncer
+
 
 @pytest.fixture(scope="session")
 def pg_url(dblock_postgresql: PostgreSQL) -> str:
@@ -37,6 +40,18 @@ def pg_server(dblock_postgresql: PostgreSQL) -> object:
     if dblock_postgresql.server is None:
         pytest.skip("DBLOCK_TEST_URL points at a server the tests must not restart")
     return dblock_postgresql.server
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_url: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer in transaction mode, 4 server connections, before the session's PostgreSQL.
+
+    Skips, naming the package, where pgbouncer is not installed.
+    """
+    if bouncer.binary() is None:
+        pytest.skip(bouncer.MISSING)
+    with bouncer.start(pg_url, pool_size=4) as running:
+        yield running
 
 
 def libpq_dsn(url: str) -> str:

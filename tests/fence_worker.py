@@ -7,7 +7,10 @@ stress URL TABLE COUNTER TTL ITERATIONS MODE SEED: acquire, pause a random
     while (often past the TTL), increment the counter with fenced writes
     (twice per grant unless MODE is strict; "unfenced" is a mutant that
     stamps without checking); print the tokens of the writes that
-    reported success, and how many were fenced out, as JSON.
+    reported success, and how many were fenced out, as JSON. An optional
+    last argument, a JSON object, adds "locker" keyword options and the
+    engine's "connect_args" (behind a transaction pooler: {"locker":
+    {"prepare": false, "notify": false}, "connect_args": {"prepare_threshold": null}}).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import random
 import signal
 import sys
 import time
+from typing import Any
 
 from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, update
 
@@ -51,10 +55,13 @@ def pause(url: str, table: str, counter: str, ttl: float) -> None:
         print("fenced", flush=True)
 
 
-def stress(url: str, table: str, counter: str, ttl: float, iterations: int, mode: str, seed: int) -> None:
+def stress(
+    url: str, table: str, counter: str, ttl: float, iterations: int, mode: str, seed: int, options: dict[str, Any]
+) -> None:
     rnd = random.Random(seed)
-    locker = dblock.Locker(url, table=table)
-    engine = create_engine(url, connect_args={"timeout": 30} if url.startswith("sqlite") else {})
+    locker = dblock.Locker(url, table=table, **options.get("locker", {}))
+    connect_args = {"timeout": 30} if url.startswith("sqlite") else {}
+    engine = create_engine(url, connect_args={**connect_args, **options.get("connect_args", {})})
     t = counter_table(counter)
     accepted: list[int] = []
     fenced = 0
@@ -81,4 +88,5 @@ if __name__ == "__main__":
     if mode == "pause":
         pause(url, table, counter, float(ttl))
     else:
-        stress(url, table, counter, float(ttl), int(sys.argv[6]), sys.argv[7], int(sys.argv[8]))
+        options = json.loads(sys.argv[9]) if len(sys.argv) > 9 else {}
+        stress(url, table, counter, float(ttl), int(sys.argv[6]), sys.argv[7], int(sys.argv[8]), options)

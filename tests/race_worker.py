@@ -1,9 +1,11 @@
 """One process of the G1/G2 race: threads hammering one lock name with tiny TTLs.
 
-Usage: python race_worker.py URL TABLE NAME TTL THREADS DURATION [MODE]
+Usage: python race_worker.py URL TABLE NAME TTL THREADS DURATION [MODE [OPTIONS]]
 MODE is how threads take the lock: "try" (try_acquire in a loop, the default),
 or a blocking acquire with a short timeout (5 TTLs, at least 50 ms): "fair" (queue + NOTIFY hand-off),
 "fair-poll" (queue, polling), "line" (fair=False: local line + polling).
+OPTIONS, a JSON object, adds Locker keyword options (e.g. {"prepare": false}
+behind a transaction pooler).
 Once connected it prints "ready" and reads the start time from stdin: a
 time.monotonic() value (one clock for every process on the machine), so all
 processes start together however long each took to start. Then it prints one
@@ -29,7 +31,8 @@ def main() -> None:
     url, table, name = sys.argv[1:4]
     ttl, threads, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "try"
-    locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **MODES[mode])  # type: ignore[arg-type]
+    options = {**MODES[mode], **(json.loads(sys.argv[8]) if len(sys.argv) > 8 else {})}
+    locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **options)
     # Connected before the start. Not by taking a lock: grants of other names draw from the same
     # token sequence and may commit out of order, which the test's audit (of every grant) would flag.
     locker.leases()
