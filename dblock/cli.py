@@ -12,6 +12,7 @@ SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import io
 import json
 import logging
@@ -284,7 +285,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         env = dict(os.environ, DBLOCK_NAME=args.name, DBLOCK_TOKEN=str(lease.token))
         spawning = True
         try:
-            child.append(subprocess.Popen(command, env=env))
+            child.append(subprocess.Popen(command, env=env, preexec_fn=_die_with(os.getpid())))
         except FileNotFoundError:
             print(f"dblock: {command[0]}: command not found", file=sys.stderr)
             return EXIT_NOT_FOUND
@@ -303,6 +304,46 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             _release_quietly(lease)
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# prctl(2) option: the signal a process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(supervisor: int) -> Callable[[], None] | None:
+    """What the command's process runs between fork and exec, so it dies with its supervisor.
+
+    A SIGKILLed `dblock run` (OOM killer, kill -9) cannot stop its command, and its
+    lease runs out within --ttl: the command would then run unprotected, alongside
+    the next holder's. On Linux the kernel sends the command SIGKILL when the thread
+    that forked it ends (here the main thread, which lives as long as the process).
+    SIGKILL, because a command may ignore or delay SIGTERM and nobody is left to
+    follow up. None (nothing to run) on other systems.
+
+    Python runs this in the child of a threaded process (renewal, listener), where
+    only async-signal-safe work is safe: everything is looked up before the fork,
+    and the child makes three system calls (no import, lock or logging). A shim
+    exec'd first would avoid running Python there, but costs an interpreter start
+    per run and would take over Popen's report of a command that cannot start.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # a libc without prctl: nothing to be done
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    getppid, kill, getpid, sigkill = os.getppid, os.kill, os.getpid, int(signal.SIGKILL)
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        # The supervisor may have died before prctl: then the signal will never
+        # come, and the child was handed to another parent. Do what it would have done.
+        if getppid() != supervisor:
+            kill(getpid(), sigkill)
+
+    return in_child
 
 
 def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:

@@ -23,7 +23,7 @@ DBLOCK = Path(sys.executable).parent / "dblock"  # the console script pip instal
 PY = sys.executable
 
 # The command run under the lock. argv: DIR MODE. Writes DIR/started (its
-# DBLOCK_NAME and DBLOCK_TOKEN), then waits for DIR/stop. MODE "handle": a
+# DBLOCK_NAME, DBLOCK_TOKEN and pid), then waits for DIR/stop. MODE "handle": a
 # SIGTERM/SIGINT/SIGHUP is written to DIR/signals and ends it with status 42;
 # "ignore": SIGTERM is ignored; "plain": default signal handling.
 CHILD = """
@@ -39,7 +39,7 @@ if mode == "handle":
 elif mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 with open(os.path.join(d, "started.tmp"), "w") as f:
-    f.write(os.environ["DBLOCK_NAME"] + " " + os.environ["DBLOCK_TOKEN"])
+    f.write(os.environ["DBLOCK_NAME"] + " " + os.environ["DBLOCK_TOKEN"] + " " + str(os.getpid()))
 os.rename(os.path.join(d, "started.tmp"), os.path.join(d, "started"))
 while not os.path.exists(os.path.join(d, "stop")):
     time.sleep(0.02)
@@ -61,6 +61,26 @@ with open(os.path.join(d, "log"), "a") as f:
     f.write("end\\n")
 os.rmdir(os.path.join(d, "inside"))
 """
+
+# Exits 0 if the process PID (started at STARTTIME, field 22 of /proc/PID/stat) is
+# gone, 3 if it still runs. A zombie counts as gone: it runs nothing, and an init
+# that does not reap would leave it. A new process with a reused pid is another process.
+GONE = """
+import sys
+pid, started = sys.argv[1], sys.argv[2]
+try:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+except FileNotFoundError:
+    sys.exit(0)
+state, start = fields[0], fields[19]
+sys.exit(0 if state in "ZXx" or start != started else 3)
+"""
+
+
+def start_time(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
 
 
 class Cli:
@@ -276,6 +296,42 @@ def test_a_command_that_cannot_start_releases_the_lock(embedded: Cli, tmp_path: 
     denied = embedded("run", "job", "--", str(script))
     assert denied.returncode == EXIT_CANNOT_RUN
     assert embedded("status", "job").returncode == EXIT_NOT_HELD
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux only")
+
+
+@linux_only
+def test_a_killed_supervisor_takes_its_command_with_it(cli: Cli, tmp_path: Path) -> None:
+    """kill -9 of `dblock run` (OOM killer, a runtime killing the wrong process): its
+    lease runs out within the TTL, so its command must be gone before a next holder's runs."""
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "2")
+    pid = (tmp_path / "w" / "started").read_text().split()[2]
+    started = start_time(int(pid))
+    holder.kill()
+    holder.wait()
+    # The next grant of the name: its command checks that the first one is no longer running.
+    after = cli("run", "job", "--wait", "30", "--", PY, "-c", GONE, pid, started)
+    assert after.returncode == 0, f"the first command still ran under the next lease: {after}"
+
+
+@linux_only
+@pytest.mark.parametrize("parent", ["alive", "dead"])
+def test_a_command_whose_supervisor_died_before_it_could_arm_ends_itself(parent: str) -> None:
+    """The race: the supervisor dies after the fork, before its child asked for the signal."""
+    script = f"""
+import ctypes, os
+from dblock.cli import _die_with
+_die_with(os.getppid() if {parent == "alive"} else os.getppid() + 1)()
+armed = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(armed), 0, 0, 0)  # PR_GET_PDEATHSIG
+print(armed.value)
+"""
+    out = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=60)
+    if parent == "alive":
+        assert (out.returncode, out.stdout) == (0, f"{int(signal.SIGKILL)}\n"), out
+    else:
+        assert (out.returncode, out.stdout) == (-signal.SIGKILL, ""), out
 
 
 # -- status, release, migrate --------------------------------------------------------
