@@ -12,7 +12,7 @@ SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
 from __future__ import annotations
 
 import argparse
-import io
+import ctypes
 import json
 import logging
 import os
@@ -23,13 +23,13 @@ import sys
 import threading
 import traceback
 from types import FrameType
-from typing import Any, Callable, Sequence, TextIO, cast
-from urllib.parse import quote, quote_plus
+from typing import Any, Callable, Sequence
 
 import psycopg
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
 
+from ._redact import display_url, redact
 from ._validate import check_identifier, check_name, check_timeout, check_ttl
 from .errors import DBLockError, LockNotAcquired
 from .lease import Lease, LeaseInfo
@@ -180,14 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
 # -- entry point -----------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    hidden = _passwords(args)
-    out, err = sys.stdout, sys.stderr
-    # Everything dblock prints goes through these, so that a password that a
-    # driver or a traceback might quote never reaches the terminal or a log.
-    sys.stdout = cast(TextIO, _Redacting(out, hidden))
-    sys.stderr = cast(TextIO, _Redacting(err, hidden))
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("dblock: %(message)s"))
+    handler.setFormatter(_RedactingFormatter("dblock: %(message)s"))
     root = logging.getLogger("dblock")
     root.addHandler(handler)
     level = root.level
@@ -199,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     except Exception:  # noqa: BLE001 - reported, with its traceback, as an internal error
-        sys.stderr.write(traceback.format_exc())
+        sys.stderr.write(redact(traceback.format_exc()))
         sys.stderr.write("dblock: internal error (a bug); please report it with the traceback above\n")
         return EXIT_SOFTWARE
     finally:
@@ -207,7 +201,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         root.removeHandler(handler)
         root.setLevel(level)
-        sys.stdout, sys.stderr = out, err
 
 
 def _main(argv: list[str]) -> int:
@@ -246,7 +239,7 @@ def _locker(args: argparse.Namespace, parser: argparse.ArgumentParser, label: st
     try:
         return Locker(args.url, table=args.table, schema=args.schema, label=label)
     except (TypeError, ValueError) as exc:
-        parser.error(str(exc))
+        parser.error(redact(str(exc)))  # it may quote the URL
 
 
 def _nothing_there(args: argparse.Namespace) -> bool:
@@ -284,7 +277,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         env = dict(os.environ, DBLOCK_NAME=args.name, DBLOCK_TOKEN=str(lease.token))
         spawning = True
         try:
-            child.append(subprocess.Popen(command, env=env))
+            child.append(subprocess.Popen(command, env=env, preexec_fn=_die_with(os.getpid())))
         except FileNotFoundError:
             print(f"dblock: {command[0]}: command not found", file=sys.stderr)
             return EXIT_NOT_FOUND
@@ -303,6 +296,46 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             _release_quietly(lease)
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# prctl(2) option: the signal a process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(supervisor: int) -> Callable[[], None] | None:
+    """What the command's process runs between fork and exec, so it dies with its supervisor.
+
+    A SIGKILLed `dblock run` (OOM killer, kill -9) cannot stop its command, and its
+    lease runs out within --ttl: the command would then run unprotected, alongside
+    the next holder's. On Linux the kernel sends the command SIGKILL when the thread
+    that forked it ends (here the main thread, which lives as long as the process).
+    SIGKILL, because a command may ignore or delay SIGTERM and nobody is left to
+    follow up. None (nothing to run) on other systems.
+
+    Python runs this in the child of a threaded process (renewal, listener), where
+    only async-signal-safe work is safe: everything is looked up before the fork,
+    and the child makes three system calls (no import, lock or logging). A shim
+    exec'd first would avoid running Python there, but costs an interpreter start
+    per run and would take over Popen's report of a command that cannot start.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # a libc without prctl: nothing to be done
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    getppid, kill, getpid, sigkill = os.getppid, os.kill, os.getpid, int(signal.SIGKILL)
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        # The supervisor may have died before prctl: then the signal will never
+        # come, and the child was handed to another parent. Do what it would have done.
+        if getppid() != supervisor:
+            kill(getpid(), sigkill)
+
+    return in_child
 
 
 def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:
@@ -444,12 +477,11 @@ def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 parser.error("schema is not supported on SQLite (the embedded default)")
         else:
             url = _locker(args, parser).engine.url
-        print(migrate.sql(url.render_as_string(hide_password=True), args.table, args.schema), end="")
+        print(migrate.sql(display_url(url), args.table, args.schema), end="")
         return 0
     locker = _locker(args, parser)
     locker.create_schema()
-    where = locker.engine.url.render_as_string(hide_password=True)
-    print(f"dblock: table {args.table!r} is up to date in {where}", file=sys.stderr)
+    print(f"dblock: table {args.table!r} is up to date in {display_url(locker.engine.url)}", file=sys.stderr)
     return 0
 
 
@@ -459,54 +491,14 @@ def _shown(text: str) -> str:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The first line of an error's message, any password a driver quoted in it masked.
+
+    Only messages and logs go through `redact`: data (names, labels, `--json`) is printed exactly.
+    """
+    text = redact(str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _passwords(argv: Sequence[str]) -> list[str]:
-    """Every form of the database password that could be printed: from --url and $DBLOCK_URL."""
-    urls = [os.environ.get("DBLOCK_URL", "")]
-    options = argv[: argv.index("--")] if "--" in argv else argv
-    for i, arg in enumerate(options):
-        if arg == "--url" and i + 1 < len(options):
-            urls.append(options[i + 1])
-        elif arg.startswith("--url="):
-            urls.append(arg[len("--url="):])
-    found: set[str] = set()
-    for url in urls:
-        try:
-            password = make_url(url).password if url else None
-        except (ArgumentError, ValueError):
-            password = None
-        if password:
-            password = str(password)
-            found.update({password, quote(password, safe=""), quote_plus(password)})
-    return sorted(found, key=len, reverse=True)
-
-
-class _Redacting(io.TextIOBase):
-    """A text stream that writes to another one with the given secrets masked."""
-
-    def __init__(self, stream: TextIO, secrets: Sequence[str]) -> None:
-        super().__init__()
-        self._stream = stream
-        self._secrets = [s for s in secrets if s]
-
-    def write(self, text: str) -> int:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        self._stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return self._stream.encoding
+class _RedactingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))

@@ -6,9 +6,7 @@ import logging
 import math
 import os
 import random
-import re
 import secrets
-import shlex
 import socket
 import sqlite3
 import sys
@@ -27,6 +25,7 @@ from sqlalchemy.pool import NullPool
 from . import statements
 from ._cleanup import Cleanup
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
+from ._redact import display_url, redact_command
 from ._wait import Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
@@ -122,7 +121,7 @@ class Locker:
         self.engine, self._needs_migration = _engine(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
-        where = self.engine.url.render_as_string(hide_password=True)
+        where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
         self._driver = Driver(self.engine, where, self.table, prepare=prepare, size=max_connections)
         self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue in the row
@@ -651,17 +650,14 @@ def _check_renew(renew: object, on_lost: object) -> None:
             raise ValueError("on_lost is called by renewal: pass renew=True with it")
 
 
-# scheme://user:password@ -> scheme://user:***@ (a command line may carry a database URL)
-_URL_PASSWORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/:@]*:)[^\s/@]*@")
-
-
 def describe_process(command: Sequence[str]) -> str:
-    """A lease label: ``"host:pid command line"``, URL passwords masked, cut to fit the column."""
+    """A lease label: ``"host:pid command line"``, passwords masked, cut to fit the column."""
     words = [str(w).replace("\x00", "") for w in command if w is not None]
     if words:
         words[0] = Path(words[0]).name or words[0]
-    line = shlex.join(words) if words else "python"
-    label = _URL_PASSWORD.sub(r"\1***@", f"{socket.gethostname()}:{os.getpid()} {line}")
+    # A command line may carry a database URL or password: user:***@, ?password=***, PGPASSWORD=***.
+    line = redact_command(words) if words else "python"
+    label = f"{socket.gethostname()}:{os.getpid()} {line}"
     # One readable line: no newlines or other control characters, valid UTF-8.
     label = "".join(c if c.isprintable() else " " for c in label).encode("utf-8", "replace").decode("utf-8")
     return label if len(label) <= LABEL_LENGTH else label[: LABEL_LENGTH - 3] + "..."
