@@ -263,3 +263,25 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
         admin.execute(f"DROP OWNED BY {role}")
         admin.execute(f"DROP ROLE IF EXISTS {role}")
         admin.close()
+
+
+def test_the_role_that_owns_the_schema_migrates_it(pg_url: str) -> None:
+    """README: "Migrate as the role that owns the schema". Owning the schema is enough: no CREATE on the database."""
+    schema, table, role = ("own_" + secrets.token_hex(4) for _ in range(3))
+    admin = psycopg.connect(libpq_dsn(pg_url), autocommit=True)
+    role_url = make_url(pg_url).set(username=role, password=None).render_as_string(hide_password=False)
+    try:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"CREATE SCHEMA {schema} AUTHORIZATION {role}")
+        may_create = "SELECT has_database_privilege(%s, current_database(), 'CREATE')"
+        assert admin.execute(may_create, (role,)).fetchone() == (False,)
+        assert cli.main(["--url", role_url, "migrate", "--schema", schema, "--table", table]) == 0
+        with Locker(role_url, schema=schema, table=table) as locker:
+            locker.create_schema()
+            assert locker.try_acquire("job") is not None
+        (version,) = admin.execute(f"SELECT version_num FROM {schema}.{version_table_name(table)}").fetchone()
+        assert version == DBLOCK_HEAD
+    finally:
+        admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.close()
