@@ -105,12 +105,18 @@ class Locker:
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:
-        """Create or upgrade dblock's tables with its migrations (idempotent)."""
+        """Create or upgrade dblock's tables with its migrations (idempotent).
+
+        Tables already current (made by dblock's history or the app's own) are
+        left unchanged, needing no privilege beyond reading. Database trouble
+        raises ``PermissionDenied``, ``DatabaseUnavailable`` or ``DBLockError``.
+        """
         from . import migrate  # Alembic loads only when the schema is made, not on every start
 
-        if self.engine.dialect.name == "sqlite":
-            self._use_wal()
-        migrate.upgrade(self.engine, self.table, self.schema)
+        with migrate.database_errors(self.engine, self.table):
+            if self.engine.dialect.name == "sqlite":
+                self._use_wal()
+            migrate.upgrade(self.engine, self.table, self.schema)
 
     def _use_wal(self) -> None:
         # WAL lets readers and the one writer work at the same time. Switching

@@ -1,8 +1,9 @@
-"""dblock's errors: one tree, and every leaf pickles."""
+"""dblock's errors: one tree, every leaf pickles, and trouble outside the SQL comes out in it too."""
 
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -107,3 +108,27 @@ def test_lock_not_acquired_crosses_a_process_pool(tmp_path: Path) -> None:
     lease.release()
     locker.close()
 
+
+# -- the embedded default and SQLite files that are not databases --------------------
+JUNK = b"these bytes are not a SQLite database, whatever the file is called\n" * 3
+
+
+def test_embedded_default_on_a_file_that_is_not_a_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "locks.sqlite3"
+    path.write_bytes(JUNK)
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path))
+    locker = Locker()  # the file is first read on first use
+    with pytest.raises(DBLockError, match=f"{path} is not a SQLite database .*DBLOCK_HOME") as caught:
+        locker.try_acquire("job")
+    assert type(caught.value) is DBLockError and caught.value.__cause__ is not None
+    with pytest.raises(DBLockError, match="is not a SQLite database"):
+        locker.try_acquire("job")  # again, not a half-made schema
+    assert os.listdir(tmp_path) == ["locks.sqlite3"] and path.read_bytes() == JUNK
+
+
+def test_create_schema_on_a_sqlite_file_that_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    path.write_bytes(JUNK)
+    with pytest.raises(DBLockError, match=f"{path} is not a SQLite database.*use another file"):
+        Locker(f"sqlite:///{path}").create_schema()
+    assert os.listdir(tmp_path) == ["app.db"] and path.read_bytes() == JUNK
