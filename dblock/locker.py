@@ -31,7 +31,7 @@ from ._validate import check_identifier, check_interval, check_name, check_text,
 from .errors import LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
 from .renew import OnLost
-from .schema import DEFAULT_TABLE, LABEL_LENGTH, default_sqlite_path
+from .schema import DEFAULT_TABLE, LABEL_LENGTH, prepare_default_sqlite_path
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -537,8 +537,7 @@ def _when(value: Any) -> datetime:
 def _engine(url: str | URL | Engine | None) -> tuple[Engine, bool]:
     """An engine for ``url``, and whether dblock owns the schema (the embedded default)."""
     if url is None:
-        path = default_sqlite_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = prepare_default_sqlite_path()
         return _sqlite_engine(URL.create("sqlite", database=str(path))), True
     if isinstance(url, Engine):
         if url.dialect.name == "sqlite":

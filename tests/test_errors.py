@@ -113,6 +113,28 @@ def test_lock_not_acquired_crosses_a_process_pool(tmp_path: Path) -> None:
 JUNK = b"these bytes are not a SQLite database, whatever the file is called\n" * 3
 
 
+def test_dblock_home_that_is_a_file_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.write_bytes(b"a file, not a directory")
+    for value in (home, home / "below"):
+        monkeypatch.setenv("DBLOCK_HOME", str(value))
+        with pytest.raises(DBLockError, match=f"DBLOCK_HOME='{value}'.* {home} is a file") as caught:
+            Locker()
+        assert type(caught.value) is DBLockError and not isinstance(caught.value, OSError)
+        assert "set DBLOCK_HOME to a directory" in str(caught.value)
+        assert sorted(os.listdir(tmp_path)) == ["home"] and home.read_bytes() == b"a file, not a directory"
+
+
+def test_embedded_default_that_is_a_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "locks.sqlite3").mkdir()
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path))
+    with pytest.raises(DBLockError, match="locks.sqlite3 .*is a directory"):
+        Locker()
+    assert os.listdir(tmp_path / "locks.sqlite3") == []
+
+
 def test_embedded_default_on_a_file_that_is_not_a_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "locks.sqlite3"
     path.write_bytes(JUNK)
