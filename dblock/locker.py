@@ -31,7 +31,7 @@ from ._validate import check_identifier, check_interval, check_name, check_text,
 from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
 from .renew import OnLost
-from .schema import DEFAULT_TABLE, LABEL_LENGTH, default_sqlite_path
+from .schema import DEFAULT_TABLE, LABEL_LENGTH, prepare_default_sqlite_path
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -133,12 +133,18 @@ class Locker:
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:
-        """Create or upgrade dblock's tables with its migrations (idempotent)."""
+        """Create or upgrade dblock's tables with its migrations (idempotent).
+
+        Tables already current (made by dblock's history or the app's own) are
+        left unchanged, needing no privilege beyond reading. Database trouble
+        raises ``PermissionDenied``, ``DatabaseUnavailable`` or ``DBLockError``.
+        """
         from . import migrate  # Alembic loads only when the schema is made, not on every start
 
-        if self.engine.dialect.name == "sqlite":
-            self._use_wal()
-        migrate.upgrade(self.engine, self.table, self.schema)
+        with migrate.database_errors(self.engine, self.table):
+            if self.engine.dialect.name == "sqlite":
+                self._use_wal()
+            migrate.upgrade(self.engine, self.table, self.schema)
 
     def _use_wal(self) -> None:
         # WAL lets readers and the one writer work at the same time. Switching
@@ -672,8 +678,7 @@ def _when(value: Any) -> datetime:
 def _engine(url: str | URL | Engine | None) -> tuple[Engine, bool]:
     """An engine for ``url``, and whether dblock owns the schema (the embedded default)."""
     if url is None:
-        path = default_sqlite_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = prepare_default_sqlite_path()
         return _sqlite_engine(URL.create("sqlite", database=str(path))), True
     if isinstance(url, Engine):
         if url.dialect.name == "sqlite":

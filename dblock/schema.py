@@ -22,6 +22,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from .errors import DBLockError
+
 DEFAULT_TABLE = "locks"
 OWNER_LENGTH = 32  # 128 random bits as hex
 LABEL_LENGTH = 255  # who holds a lease, for people: "host:pid command"
@@ -107,3 +109,30 @@ def default_sqlite_path() -> Path:
     home = os.environ.get("DBLOCK_HOME")
     base = Path(home) if home else platformdirs.user_data_path("dblock", appauthor=False)
     return base / "locks.sqlite3"
+
+
+def prepare_default_sqlite_path() -> Path:
+    """``default_sqlite_path()``, its directory created; a ``DBLockError`` naming the place if it cannot be.
+
+    Checked before anything is written: a ``DBLOCK_HOME`` that names a file (or
+    sits under one) is refused, not left to fail inside ``mkdir`` or SQLite.
+    """
+    path = default_sqlite_path()
+    home = os.environ.get("DBLOCK_HOME")
+    source = f"DBLOCK_HOME={home!r}" if home else "the per-user data directory"
+    remedy = "set DBLOCK_HOME to a directory, or unset it" if home else "move it aside, or set DBLOCK_HOME"
+    # The nearest part of the path that exists must be a directory (exists() is False below a file).
+    existing = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise DBLockError(
+            f"the embedded default needs a directory at {path.parent} ({source}), but {existing} is a file: {remedy}"
+        )
+    if path.is_dir():
+        raise DBLockError(f"the embedded default's database {path} ({source}) is a directory, not a file: move it aside")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DBLockError(
+            f"cannot create the embedded default's directory {path.parent} ({source}): {exc.strerror or exc}; {remedy}"
+        ) from exc
+    return path

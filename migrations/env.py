@@ -11,7 +11,7 @@ the ini file and ``-x table=... -x schema=...``.
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, inspect
 from sqlalchemy.schema import CreateSchema
 
 from dblock.schema import DEFAULT_TABLE, version_table_name
@@ -23,8 +23,10 @@ schema = config.attributes.setdefault("dblock_schema", x.get("schema"))
 
 
 def run(connection) -> None:
-    if schema and connection.dialect.name == "postgresql":
+    if schema and connection.dialect.name == "postgresql" and not inspect(connection).has_schema(schema):
         # The version table lives in the schema too, so make it before Alembic looks.
+        # Only when missing: even IF NOT EXISTS needs CREATE on the database,
+        # which the role that owns the schema (README, "Least privilege") may lack.
         connection.execute(CreateSchema(schema, if_not_exists=True))
     context.configure(
         connection=connection,

@@ -20,8 +20,21 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, inspect, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.pool import NullPool
 
-from dblock import FencedOut, Lease, Locker, LockNotAcquired, cli, commit_guard, fence, fenced_update, migrate
+from dblock import (
+    DBLockError,
+    FencedOut,
+    Lease,
+    Locker,
+    LockNotAcquired,
+    PermissionDenied,
+    cli,
+    commit_guard,
+    fence,
+    fenced_update,
+    migrate,
+)
 from dblock.schema import DEFAULT_TABLE, fences_table_name, token_sequence_name, version_table_name
 
 from .conftest import libpq_dsn, wait_for
@@ -128,6 +141,23 @@ class App:
         finally:
             engine.dispose()
 
+    def catalog(self) -> list[tuple[str, ...]]:
+        """Every schema object, column and recorded revision: 'nothing changed' checks."""
+        engine = create_engine(self.url)
+        try:
+            insp = inspect(engine)
+            seen: list[tuple[str, ...]] = []
+            for schema in (None, self.schema) if self.schema else (None,):
+                for name in sorted(insp.get_table_names(schema=schema)):
+                    seen += [(str(schema), name, c["name"]) for c in insp.get_columns(name, schema=schema)]
+                    if name.startswith("alembic_version"):
+                        seen += [(str(schema), name, v) for v in sorted(self.versions(name))]
+                if engine.dialect.name == "postgresql":
+                    seen += [(str(schema), s) for s in sorted(insp.get_sequence_names(schema=schema))]
+            return seen
+        finally:
+            engine.dispose()
+
     def check_autogenerate(self, *dblock_tables: str) -> None:
         """With exclude_dblock autogenerate finds nothing to do; without it, it would drop ``dblock_tables``."""
         assert "No new upgrade operations detected" in self.alembic("check").stdout
@@ -184,6 +214,22 @@ def test_one_history_with_the_dblock_branch(app: App) -> None:
     app.check_autogenerate()  # what the filter hides was shown above; here no version table of dblock's exists
     assert app.lock_once() >= 1
 
+    # create_schema() and `dblock migrate` see dblock's head recorded by the app's history: they change nothing.
+    before = app.catalog()
+    Locker(app.url, table=app.table, schema=app.schema).create_schema()
+    app.dblock_migrate()
+    assert app.catalog() == before and app.versions() == {"app_0001", DBLOCK_HEAD}
+    # Behind (the app's history still at 0003): upgrading is the app's history's job, and they say so.
+    app.alembic("downgrade", "dblock@dblock_0003")
+    before = app.catalog()
+    with pytest.raises(DBLockError, match="created by your app's Alembic history.*dblock_0003.*alembic upgrade heads"):
+        Locker(app.url, table=app.table, schema=app.schema).create_schema()
+    assert "alembic upgrade heads" in app.run("dblock", "--url", app.url, "migrate", "--table", app.table,
+                                              *(["--schema", app.schema] if app.schema else []), ok=False).stderr
+    assert app.catalog() == before and app.versions() == {"app_0001", "dblock_0003"}
+    app.alembic("upgrade", "heads")
+    assert app.versions() == {"app_0001", DBLOCK_HEAD}
+
     app.alembic("downgrade", "dblock@base")
     assert app.versions() == {"app_0001"}
     assert not dblock_tables & app.tables(app.schema) and "notes" in app.tables()
@@ -221,8 +267,29 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
 
         first, second = (Locker(role_url, schema=schema, table=table, ttl=5) for _ in range(2))
         lockers += [first, second]
-        with pytest.raises(ProgrammingError, match="permission denied"):
-            first.create_schema()  # the role really is limited: it cannot migrate
+        catalog = (
+            "SELECT c.relname::text, a.attname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+            f"WHERE n.nspname = '{schema}' ORDER BY 1, 2"
+        )
+        before = admin.execute(catalog).fetchall()
+        first.create_schema()  # the tables are current: it looks, needing no CREATE, and changes nothing
+        assert admin.execute(catalog).fetchall() == before
+        # The role really is limited: where an upgrade is needed it cannot migrate, and is told why.
+        with pytest.raises(PermissionDenied, match=f"permission denied for schema {schema} .*CREATE on the schema.*"
+                                                   "dblock migrate` .*as the role that owns") as denied:
+            Locker(role_url, schema=schema, table=table + "_new").create_schema()
+        assert denied.value.sqlstate == "42501" and isinstance(denied.value.__cause__, ProgrammingError)
+        assert admin.execute(catalog).fetchall() == before
+        admin_engine = create_engine(pg_url, poolclass=NullPool)
+        migrate.downgrade(admin_engine, table, schema, "dblock_0003")
+        older = admin.execute(catalog).fetchall()
+        with pytest.raises(PermissionDenied, match=f"needs upgrading.*{version_table_name(table)}.*dblock migrate"):
+            first.create_schema()  # it may not read dblock's version table, and 0004's column is missing
+        assert admin.execute(catalog).fetchall() == older
+        migrate.upgrade(admin_engine, table, schema)
+        admin_engine.dispose()
+        assert admin.execute(catalog).fetchall() == before
         lease = first.acquire("job", timeout=1)
         assert second.try_acquire("job") is None
         with pytest.raises(LockNotAcquired):
@@ -261,5 +328,27 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
             locker.engine.dispose()
         admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.close()
+
+
+def test_the_role_that_owns_the_schema_migrates_it(pg_url: str) -> None:
+    """README: "Migrate as the role that owns the schema". Owning the schema is enough: no CREATE on the database."""
+    schema, table, role = ("own_" + secrets.token_hex(4) for _ in range(3))
+    admin = psycopg.connect(libpq_dsn(pg_url), autocommit=True)
+    role_url = make_url(pg_url).set(username=role, password=None).render_as_string(hide_password=False)
+    try:
+        admin.execute(f"CREATE ROLE {role} LOGIN")
+        admin.execute(f"CREATE SCHEMA {schema} AUTHORIZATION {role}")
+        may_create = "SELECT has_database_privilege(%s, current_database(), 'CREATE')"
+        assert admin.execute(may_create, (role,)).fetchone() == (False,)
+        assert cli.main(["--url", role_url, "migrate", "--schema", schema, "--table", table]) == 0
+        with Locker(role_url, schema=schema, table=table) as locker:
+            locker.create_schema()
+            assert locker.try_acquire("job") is not None
+        (version,) = admin.execute(f"SELECT version_num FROM {schema}.{version_table_name(table)}").fetchone()
+        assert version == DBLOCK_HEAD
+    finally:
+        admin.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         admin.execute(f"DROP ROLE IF EXISTS {role}")
         admin.close()

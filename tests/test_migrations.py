@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import BigInteger, DateTime, Float, MetaData, String, Table, create_engine, inspect
+from sqlalchemy import BigInteger, DateTime, Float, MetaData, String, Table, create_engine, event, inspect
+from sqlalchemy.exc import SQLAlchemyError
 
-from dblock import Locker, migrate
+from dblock import DatabaseUnavailable, DBLockError, Locker, migrate
 from dblock.schema import (
     LABEL_LENGTH,
     fences_table,
@@ -196,3 +198,95 @@ def test_built_wheel_in_a_fresh_virtualenv(pg: Db, wheel_venv: Path, tmp_path: P
     assert int(out.stdout) >= 1
     pg.query(f"DROP TABLE {pg.table}_w, {pg.table}_w_fences, alembic_version_dblock_{pg.table}_w")
     pg.query(f"DROP SEQUENCE IF EXISTS {pg.table}_w_token_seq")
+
+
+# -- create_schema: what is already there, and database trouble -----------------------
+def _catalog(db: Db) -> list[tuple]:
+    """Every table, column and sequence of the database: 'nothing changed' checks of DDL."""
+    if db.backend == "postgresql":
+        return db.query(
+            "SELECT c.relkind::text, n.nspname::text, c.relname::text, a.attname::text FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace LEFT JOIN pg_attribute a ON a.attrelid = c.oid "
+            "AND a.attnum > 0 AND NOT a.attisdropped WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') "
+            "AND n.nspname NOT LIKE 'pg_toast%%' ORDER BY 1, 2, 3, 4"
+        )
+    return db.query("SELECT type, name, sql FROM sqlite_master ORDER BY 1, 2")
+
+
+def _statements(locker: Locker) -> list[str]:
+    sent: list[str] = []
+    event.listen(locker.engine, "before_cursor_execute", lambda conn, cur, sql, *rest: sent.append(sql))
+    return sent
+
+
+def test_create_schema_on_current_tables_only_reads(db: Db) -> None:
+    """No DDL, no write, no lock: a role that may only read (README, "Least privilege") can call it."""
+    locker = db.locker()
+    sent = _statements(locker)
+    before = (_catalog(db), db.query(f"SELECT version_num FROM {version_table_name(db.table)}"))
+    locker.create_schema()
+    assert sent, "create_schema sent nothing at all"
+    for sql in sent:
+        assert sql.lstrip().upper().startswith(("SELECT", "PRAGMA", "WITH")), sql
+        assert "pg_advisory" not in sql, sql  # the lock that serialises migrations: not needed to look
+    assert (_catalog(db), db.query(f"SELECT version_num FROM {version_table_name(db.table)}")) == before
+
+
+def test_create_schema_leaves_tables_from_a_newer_dblock_alone(db: Db) -> None:
+    """A newer dblock migrated the table (a revision this one does not know): it still has what this one needs."""
+    db.query(f"UPDATE {version_table_name(db.table)} SET version_num = 'dblock_9999'")
+    before = _catalog(db)
+    locker = db.locker()
+    locker.create_schema()
+    assert _catalog(db) == before
+    assert locker.try_acquire("x") is not None
+    # Without what this dblock needs (0004's queue column), it says so and changes nothing.
+    db.query(f"ALTER TABLE {db.table} DROP COLUMN queue")
+    before = _catalog(db)
+    with pytest.raises(DBLockError, match=r"newer dblock \(revision dblock_9999\).*upgrade dblock") as caught:
+        locker.create_schema()
+    assert type(caught.value) is DBLockError
+    assert _catalog(db) == before
+
+
+def test_create_schema_refuses_a_table_dblock_did_not_make(backend: str, request: pytest.FixtureRequest,
+                                                          tmp_path: Path) -> None:
+    """An app's own table with dblock's name: no CREATE half-way, no version table, a message that says why."""
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'app.db'}"
+    db = Db(backend, url, "mine_" + os.urandom(4).hex())
+    db.query(f"CREATE TABLE {db.table} (id integer PRIMARY KEY, body text)")
+    try:
+        before = _catalog(db)
+        with pytest.raises(DBLockError, match=f"a table '{db.table}' exists .* no dblock history made it") as caught:
+            db.locker().create_schema()
+        assert type(caught.value) is DBLockError and "table=" in str(caught.value)
+        assert _catalog(db) == before
+    finally:
+        db.query(f"DROP TABLE {db.table}")
+        db.drop()
+
+
+def test_create_schema_error_keeps_the_sqlstate(pg: Db) -> None:
+    """A database error that is neither a privilege nor the connection: DBLockError, its sqlstate, rolled back."""
+    table = pg.table + "_s"
+    pg.query(f"CREATE SEQUENCE {token_sequence_name(table)}")  # in the way of dblock's first migration
+    try:
+        before = _catalog(pg)
+        with pytest.raises(DBLockError, match=f"{token_sequence_name(table)}.* already exists") as caught:
+            Locker(pg.url, table=table).create_schema()
+        assert type(caught.value) is DBLockError and caught.value.sqlstate == "42P07"  # duplicate_table
+        assert isinstance(caught.value.__cause__, SQLAlchemyError)
+        assert _catalog(pg) == before
+    finally:
+        pg.query(f"DROP SEQUENCE {token_sequence_name(table)}")
+
+
+def test_create_schema_on_an_unreachable_server() -> None:
+    with socket.socket() as s:  # a port nobody listens on: connecting is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    locker = Locker(f"postgresql+psycopg://nobody:secret@127.0.0.1:{port}/db")
+    with pytest.raises(DatabaseUnavailable, match=f"cannot reach .*127.0.0.1:{port}") as caught:
+        locker.create_schema()
+    assert "secret" not in str(caught.value)
+    assert isinstance(caught.value.__cause__, SQLAlchemyError)
