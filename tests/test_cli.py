@@ -346,14 +346,15 @@ def test_status_table_and_json(cli: Cli, tmp_path: Path) -> None:
     assert header.split() == ["NAME", "OWNER", "TOKEN", "EXPIRES", "IN"]
     assert row.startswith("nightly-report  ") and f"  {token}  " in row and row.endswith("s")
     assert f"{socket.gethostname()}:{holder.pid} " in row and "python" in row  # who to look for
-    assert 25 < float(row.rsplit(None, 1)[1].rstrip("s")) <= 30
+    # Renewed every ttl/3, so 20-30 s are left, less what a loaded machine takes between calls.
+    assert 15 < float(row.rsplit(None, 1)[1].rstrip("s")) <= 30
 
     one = cli("status", "nightly-report", "--json")
     assert one.returncode == 0
     (info,) = json.loads(one.stdout)
     assert info["name"] == "nightly-report" and info["token"] == token
     assert info["label"].startswith(f"{socket.gethostname()}:{holder.pid} ") and len(info["owner"]) == 32
-    assert 25 < info["expires_in"] <= 30
+    assert 15 < info["expires_in"] <= 30
     assert info["expires_at"] > info["acquired_at"]
 
     other = cli("status", "other")
