@@ -49,8 +49,16 @@ def main() -> None:
 
     grants: list[list[float]] = []
     guard = threading.Lock()
+    failures: list[BaseException] = []
 
     def hammer() -> None:
+        try:
+            race()
+        except BaseException as exc:  # a thread that dies must fail the test, not shrink the race
+            failures.append(exc)
+            raise
+
+    def race() -> None:
         rng = random.Random()
         while time.monotonic() < start_at:
             time.sleep(0.001)
@@ -79,6 +87,8 @@ def main() -> None:
     for w in workers:
         w.join()
     locker.close()
+    if failures:
+        sys.exit(f"{len(failures)} thread(s) failed: {failures[0]!r}")
     json.dump(grants, sys.stdout)
 
 
