@@ -15,7 +15,8 @@ Three bounds keep every call's time and cost finite whatever the server does:
   least 2), set from the caller's deadline; TCP keepalives and
   ``tcp_user_timeout`` make a dead peer show up on idle and busy sockets.
 - **A statement** is bounded by one watchdog thread per process: a statement
-  still running at its deadline has its socket shut down, so the waiting call
+  still running at its deadline (or at most ``_Watchdog.TICK`` after it) has
+  its socket shut down, so the waiting call
   returns at once with an error. That covers what the server cannot bound
   itself (a frozen postmaster, a black-holed network), and works behind a
   transaction pooler, which would refuse per-session settings at connect.
@@ -329,11 +330,16 @@ class Driver:
 class _Watchdog:
     """One thread per process that cuts statements still running at their deadline.
 
-    The hot path only records the deadline on the connection; the thread is
-    woken when a deadline earlier than its next wake-up arrives (rare: with one
-    per-call limit, later statements have later deadlines), and otherwise wakes
-    at the earliest deadline, finds most statements long done, and sleeps on.
+    The hot path only records the deadline on the connection and adds it to a
+    set. While statements run, the thread looks every ``TICK`` seconds (or at
+    the earliest deadline, if sooner), so a statement is cut at most ``TICK``
+    late and a new statement has to wake the thread only when its deadline is
+    nearer than the next look: rare, so the hot path costs no thread switch.
+    After ``LINGER`` idle seconds the thread sleeps until the next statement.
     """
+
+    TICK = 0.25
+    LINGER = 2.0
 
     def __init__(self) -> None:
         self._reset()
@@ -341,7 +347,7 @@ class _Watchdog:
     def _reset(self) -> None:
         self._cond = threading.Condition()
         self._busy: set[_Conn] = set()
-        self._wake_at = math.inf
+        self._wake_at = math.inf  # when the thread looks next
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -362,6 +368,7 @@ class _Watchdog:
             self._busy.discard(conn)
 
     def _run(self) -> None:
+        idle_since: float | None = None
         with self._cond:
             while True:
                 now = time.monotonic()
@@ -371,12 +378,17 @@ class _Watchdog:
                     self._busy.discard(conn)
                     conn.cut = True
                     shutdown_socket(conn.raw)
-                # Keep the old wake-up while nothing runs, so the next statement
-                # (whose deadline is later) does not have to wake this thread.
-                soonest = min((c.deadline for c in self._busy), default=math.inf)
-                if soonest < math.inf or self._wake_at <= now:
-                    self._wake_at = soonest
-                self._cond.wait(None if self._wake_at == math.inf else max(self._wake_at - now, 0.001))
+                if self._busy:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                if idle_since is not None and now - idle_since >= self.LINGER:
+                    self._wake_at = math.inf
+                    self._cond.wait()
+                else:
+                    soonest = min((c.deadline for c in self._busy), default=math.inf)
+                    self._wake_at = min(soonest, now + self.TICK)
+                    self._cond.wait(max(self._wake_at - now, 0.0))
 
 
 _watchdog = _Watchdog()
