@@ -229,6 +229,9 @@ class Driver:
         owner, token), so a second try changes nothing the first did not.
         """
         for attempt in (1, 2):
+            if time.monotonic() >= deadline:
+                # Sent now, it could only be cut off: it would leave its outcome unknown for nothing.
+                raise DatabaseUnavailable(f"no time left for a statement on {self.where}")
             conn = self._checkout(deadline, fresh=attempt == 2)
             try:
                 if self.dialect == "sqlite":

@@ -1,9 +1,9 @@
 """Faults injected for real: a silent endpoint, a frozen server, restarts, a pool under load.
 
 Each test bounds a call's time only by its documented limit (README,
-"Failures and limits"): acquire within timeout + 2 s, any other call within
-op_timeout (connecting counts whole seconds, at least 2), plus slack for a
-loaded machine. Nothing here asserts a speed.
+"Failures and limits"): acquire within timeout + 2.5 s, any other call within
+op_timeout + 0.25 s (connecting counts whole seconds, at least 2), plus slack
+for a loaded machine. Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_acquire_against_a_silent_server_raises_within_its_timeout(silent: Silen
     locker = Locker(silent.url, **options)
     took, exc, _ = timed(lambda: locker.acquire("x", timeout=2))
     assert isinstance(exc, DatabaseUnavailable), exc
-    assert took <= 2 + 2 + SLACK, f"acquire(timeout=2) took {took:.1f} s against a silent server"
+    assert took <= 2 + 2.5 + SLACK, f"acquire(timeout=2) took {took:.1f} s against a silent server"
     assert "secret" not in str(exc)
     locker.close()
 
@@ -109,7 +109,7 @@ def test_dblock_run_against_a_silent_server_exits_within_its_wait(silent: Silent
     )
     took = time.monotonic() - started
     assert out.returncode == 69, out.stderr
-    assert took <= 2 + 2 + SLACK + 2, f"dblock run --wait 2 took {took:.1f} s"  # + 2: interpreter start-up
+    assert took <= 2 + 2.5 + SLACK + 2, f"dblock run --wait 2 took {took:.1f} s"  # + 2: interpreter start-up
 
 
 # -- a frozen server (SIGSTOP) -------------------------------------------------------
@@ -154,7 +154,7 @@ def test_a_frozen_server_bounds_every_call_and_leaks_no_lease(pg: Db, pg_server:
         assert took <= 2 + SLACK, f"try_acquire took {took:.1f} s on a frozen server (op_timeout=1)"
         took, exc, _ = timed(lambda: locker.acquire("frozen", ttl=60, timeout=2))
         assert isinstance(exc, DatabaseUnavailable), exc
-        assert took <= 2 + 2 + SLACK, f"acquire(timeout=2) took {took:.1f} s on a frozen server"
+        assert took <= 2 + 2.5 + SLACK, f"acquire(timeout=2) took {took:.1f} s on a frozen server"
     # Thawed, the frozen backend runs the acquire it had received: a lease for an owner
     # nobody listens to any more, for 60 s. dblock's clean-up ends it.
     wait_for(lambda: pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)],
