@@ -238,11 +238,14 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
     included) first runs ``check_lease`` as the transaction's last statement
     (after a Session's final flush). When the check fails the transaction is
     rolled back and LeaseLost raised; on any other error the block rolls back.
+    An AUTOCOMMIT connection is refused with ValueError on entering, before
+    the block runs.
     """
     if not isinstance(lease, Lease):
         raise TypeError(f"commit_guard needs a Lease, not {type(lease).__name__}")
     if not isinstance(conn, (Connection, Session)):
         raise TypeError(f"commit_guard needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
+    _refuse_autocommit(conn, "commit_guard")
 
     def before_commit(session: Session) -> None:
         session.flush()  # the check must come after the last write
@@ -329,6 +332,28 @@ def _check_not_null(col: Column[Any]) -> None:
     if col.nullable:
         # NULL <= :token is not true: a NULL fence would refuse every write, silently.
         raise ValueError(f"fence column {col.name!r} must be NOT NULL DEFAULT 0, not nullable")
+
+
+def _refuse_autocommit(conn: Target, what: str) -> None:
+    """Raise ValueError, before anything runs, if ``conn`` would commit each statement on its own.
+
+    On an AUTOCOMMIT connection every write in a guarded block would commit
+    at once, unchecked; finding out at the block's end is too late.
+    """
+    # A Session has no connection before its first statement: take the one it
+    # will use, and give it back untouched if we refuse (close, not rollback:
+    # a rollback would expire every loaded object).
+    fresh = isinstance(conn, Session) and not conn.in_transaction()
+    if not _in_autocommit(conn):
+        return
+    if fresh and isinstance(conn, Session):
+        transaction = conn.get_transaction()
+        if transaction is not None:
+            transaction.close()
+    raise ValueError(
+        f"{what} needs a transaction: on an AUTOCOMMIT connection each write would commit at once, "
+        "unchecked; use a connection in a transaction (the default)"
+    )
 
 
 def _in_autocommit(conn: Target) -> bool:

@@ -356,6 +356,32 @@ def test_check_lease_refuses_an_autocommit_connection(db: Db, counter: Counter) 
             dblock.check_lease(conn, lease)
 
 
+@pytest.mark.parametrize("via", ["connection", "session"])
+def test_commit_guard_refuses_an_autocommit_connection_before_the_block_runs(
+    db: Db, counter: Counter, via: str
+) -> None:
+    """Each statement of an AUTOCOMMIT connection commits at once, unchecked: the guard must refuse
+    on entering, so no write inside the block can reach the table."""
+    from sqlalchemy.orm import Session
+
+    lease = db.locker().acquire("resource")
+    t = counter.table
+    autocommit = counter.engine.execution_options(isolation_level="AUTOCOMMIT")
+    ran: list[bool] = []
+    with autocommit.connect() as conn, Session(autocommit) as session:
+        target: Any = conn if via == "connection" else session
+        counter.statements.clear()
+        with pytest.raises(ValueError, match="AUTOCOMMIT"), dblock.commit_guard(target, lease):
+            ran.append(True)
+            target.execute(update(t).where(t.c.id == 1).values(owner=1))
+        assert not ran, "the block's body ran on an AUTOCOMMIT connection"
+        assert counter.statements == []
+        if via == "session":
+            assert not session.in_transaction()  # the check left no transaction behind
+    assert counter.row() == (0, 0, 0)
+    assert counter.accepted() == []
+
+
 @pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
 def test_commit_guard_rolls_back_when_the_lease_is_gone(db: Db, counter: Counter, lost: str) -> None:
     locker = db.locker()
