@@ -205,6 +205,19 @@ def test_changes_pending_at_the_end_of_the_block_are_flushed_under_the_fence(mod
     assert models.rows()[0] == (1, 1, new.token)
 
 
+def test_changes_pending_at_the_end_of_the_block_are_flushed_not_committed(models: Models) -> None:
+    _, new = models.stale_and_fresh()
+    with Session(models.engine) as s:
+        with fenced_session(s, new):
+            s.get(models.Account, 1).balance = 1  # type: ignore[union-attr]
+            models.statements.clear()
+        assert [q for q in models.statements if q.startswith("UPDATE")]  # flushed as the block ended
+        assert s.in_transaction()
+        assert models.rows()[0] == (1, 100, 0)  # another connection: nothing committed yet
+        s.rollback()  # the caller decides: this discards the flushed change
+    assert models.rows()[0] == (1, 100, 0)
+
+
 def test_fenced_read_through_a_session_stamps_and_refreshes_the_objects(models: Models) -> None:
     """Read-modify-write in the ORM: the stamp brings loaded objects up to date and fences out the
     older holder, which read before it (without the stamp, its late write would land first)."""
