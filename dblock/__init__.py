@@ -21,7 +21,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .fencing import check_lease, commit_guard, fence, fenced, fenced_update, fenced_upsert
+    from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseInfo
     from .locker import Locker
 
@@ -30,6 +30,7 @@ _LAZY = {
     "commit_guard": ".fencing",
     "fence": ".fencing",
     "fenced": ".fencing",
+    "fenced_read": ".fencing",
     "fenced_update": ".fencing",
     "fenced_upsert": ".fencing",
     "Lease": ".lease",
@@ -52,6 +53,7 @@ __all__ = [
     "commit_guard",
     "fence",
     "fenced",
+    "fenced_read",
     "fenced_update",
     "fenced_upsert",
 ]

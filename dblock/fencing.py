@@ -6,7 +6,8 @@ together. Three tools, from the cheapest:
 
 - ``fenced_update`` / ``fenced_upsert``: the guarded table has a token column
   (``fence_token BIGINT NOT NULL DEFAULT 0``); the check and the write are one
-  statement.
+  statement. ``fenced_read`` stamps the rows a read-modify-write reads, in the
+  statement that reads them.
 - ``fence``: a row of dblock's fences table guards a resource that has no
   column to spare; checked and bumped in the caller's transaction.
 - ``check_lease`` / ``commit_guard``: fail closed at commit time. The lease
@@ -21,13 +22,14 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Union
 
 import psycopg
-from sqlalchemy import Column, Table, event, inspect, select, text
+from sqlalchemy import Column, Table, case, event, inspect, literal, select, text, update
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Dialect, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Update
+from sqlalchemy.sql.selectable import Select
 
 from ._validate import check_identifier, check_name, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
@@ -90,6 +92,109 @@ def fenced_update(
         if winner is not None:
             raise _refused(token, f"table {col.table.name!r}", winner, strict)
     return result
+
+
+def fenced_read(conn: Target, stmt: Select[Any], lease: TokenLike, *, column: str = DEFAULT_COLUMN) -> Result[Any]:
+    """Stamp the lease's token on the rows ``stmt`` selects and return them, in one ``UPDATE ... RETURNING``.
+
+    The read of a read-modify-write. A fence orders writes, not reads: a newer
+    holder that reads a row before an older holder's late write lands would
+    overwrite that write, and both writes pass their fence. Read through the
+    stamp instead: once this token is on the rows, an older holder's write to
+    them is refused, and a newer holder's stamp waits until this transaction
+    ends (the UPDATE locks the rows), so it reads what this one wrote. Then
+    write with ``fenced_update`` (default mode: ``strict=True`` would refuse
+    the stamp you just made) in the same transaction.
+
+    ``stmt`` is a ``select()`` of one table's columns, the table or a mapped
+    class, with any WHERE: ``select(t.c.n).where(t.c.id == 1)``,
+    ``select(Account).where(Account.id == 1)``. It runs as ``UPDATE <table> SET
+    <column> = <token> (where lower) WHERE ... RETURNING ...``, and the result
+    reads like the select's (through a Session, mapped objects come back
+    refreshed from the row). A token is never lowered; if a row it matches
+    carries a newer token, FencedOut is raised: roll back. Rows that do not
+    exist yet are not stamped (none are returned).
+    """
+    token = token_of(lease)
+    if not isinstance(conn, (Connection, Session)):
+        raise TypeError(f"fenced_read needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
+    target, table, returning = _read_target(stmt, column)
+    col = table.c[column]
+    _check_not_null(col)
+    # A CASE rather than "AND fence_token <= :token": a row with a newer token
+    # must be seen (and refused), not silently left out of what was read.
+    bound = literal(token, col.type)
+    stamp = update(target).values({col: case((col < bound, bound), else_=col)})
+    if stmt.whereclause is not None:
+        stamp = stamp.where(stmt.whereclause)
+    # The stored token comes back after the caller's columns, under a name of its own.
+    stamp = stamp.returning(*returning, col.label("dblock_fence_token"))
+    if isinstance(conn, Session):
+        # Objects come back refreshed from the stamped row; nothing else in the
+        # session is touched (a stale copy elsewhere fails its own flush).
+        options = {"synchronize_session": False, "populate_existing": True}
+        frozen = conn.execute(stamp, execution_options=options).freeze()
+    else:
+        frozen = conn.execute(stamp).freeze()
+    newest = max((row[-1] for row in frozen.data), default=None)
+    if newest is not None and newest > token:
+        raise _refused(
+            token, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
+        )
+    return frozen().columns(*range(len(returning)))
+
+
+# What fenced_read may find in a select: the columns and the WHERE; the rest
+# (ORDER BY, LIMIT, joins, DISTINCT, FOR UPDATE, ...) an UPDATE cannot keep.
+_PLAIN_SELECT = {"_raw_columns", "_where_criteria", "_label_style", "_propagate_attrs", "_annotations"}
+_CLAUSE_NAMES = {
+    "_order_by_clauses": "ORDER BY",
+    "_group_by_clauses": "GROUP BY",
+    "_having_criteria": "HAVING",
+    "_limit_clause": "LIMIT",
+    "_offset_clause": "OFFSET",
+    "_fetch_clause": "FETCH",
+    "_for_update_arg": "FOR UPDATE",
+    "_distinct": "DISTINCT",
+    "_distinct_on": "DISTINCT ON",
+    "_setup_joins": "a join",
+    "_from_obj": "select_from()",
+    "_with_options": "loader options",
+    "_independent_ctes": "a CTE",
+    "_params": "params()",
+}
+
+
+def _read_target(stmt: Any, column: str) -> tuple[Any, Table, list[Any]]:
+    """For fenced_read: (what to UPDATE, its table, what to RETURN), or an error before any SQL."""
+    if not isinstance(stmt, Select):
+        raise TypeError(f"fenced_read needs a select() statement, not {type(stmt).__name__}")
+    hint = "stamp the rows with a plain fenced_read first, then run your query in the same transaction"
+    for name, _ in Select._traverse_internals:
+        if name not in _PLAIN_SELECT and _is_set(getattr(stmt, name, None)):
+            what = _CLAUSE_NAMES.get(name, name.strip("_").replace("_", " "))
+            raise ValueError(f"fenced_read takes a select of one table and a WHERE, not one with {what}: {hint}")
+    froms = stmt.get_final_froms()
+    if len(froms) != 1 or not isinstance(froms[0], Table):
+        raise ValueError(f"fenced_read reads from exactly one table, not {len(froms)} FROM items: {hint}")
+    table = froms[0]
+    if column not in table.c:
+        raise ValueError(f"table {table.name!r} has no {column!r} column to fence with (see dblock.orm.Fenced)")
+    for selected in stmt.selected_columns:
+        if not isinstance(selected, Column) or selected.table is not table:
+            raise ValueError(f"fenced_read returns the table's own columns, not {selected}: {hint}")
+    descriptions = stmt.column_descriptions
+    entity = next((d["entity"] for d in descriptions if d.get("entity") is not None), None)
+    return (table if entity is None else entity), table, [d["expr"] for d in descriptions]
+
+
+def _is_set(value: Any) -> bool:
+    # Not bool(value): a SQL clause refuses to be a truth value.
+    if value is None or value is False:
+        return False
+    if isinstance(value, (tuple, list, Mapping)):
+        return len(value) > 0
+    return True
 
 
 def fenced_upsert(
@@ -238,11 +343,14 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
     included) first runs ``check_lease`` as the transaction's last statement
     (after a Session's final flush). When the check fails the transaction is
     rolled back and LeaseLost raised; on any other error the block rolls back.
+    An AUTOCOMMIT connection is refused with ValueError on entering, before
+    the block runs.
     """
     if not isinstance(lease, Lease):
         raise TypeError(f"commit_guard needs a Lease, not {type(lease).__name__}")
     if not isinstance(conn, (Connection, Session)):
         raise TypeError(f"commit_guard needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
+    _refuse_autocommit(conn, "commit_guard")
 
     def before_commit(session: Session) -> None:
         session.flush()  # the check must come after the last write
@@ -331,6 +439,28 @@ def _check_not_null(col: Column[Any]) -> None:
         raise ValueError(f"fence column {col.name!r} must be NOT NULL DEFAULT 0, not nullable")
 
 
+def _refuse_autocommit(conn: Target, what: str) -> None:
+    """Raise ValueError, before anything runs, if ``conn`` would commit each statement on its own.
+
+    On an AUTOCOMMIT connection every write in a guarded block would commit
+    at once, unchecked; finding out at the block's end is too late.
+    """
+    # A Session has no connection before its first statement: take the one it
+    # will use, and give it back untouched if we refuse (close, not rollback:
+    # a rollback would expire every loaded object).
+    fresh = isinstance(conn, Session) and not conn.in_transaction()
+    if not _in_autocommit(conn):
+        return
+    if fresh and isinstance(conn, Session):
+        transaction = conn.get_transaction()
+        if transaction is not None:
+            transaction.close()
+    raise ValueError(
+        f"{what} needs a transaction: on an AUTOCOMMIT connection each write would commit at once, "
+        "unchecked; use a connection in a transaction (the default)"
+    )
+
+
 def _in_autocommit(conn: Target) -> bool:
     connection = conn.connection() if isinstance(conn, Session) else conn
     driver = connection.connection.driver_connection
@@ -341,7 +471,15 @@ def _in_autocommit(conn: Target) -> bool:
     return False
 
 
-def _refused(token: int, what: str, winner: int | None, strict: bool) -> FencedOut:
+def _refused(
+    token: int,
+    what: str,
+    winner: int | None,
+    strict: bool,
+    *,
+    verb: str = "write",
+    outcome: str = "nothing was written",
+) -> FencedOut:
     if winner is None:
         accepted = "this token or a newer one (strict: one write per grant)" if strict else "a newer token"
     elif winner == token:
@@ -349,8 +487,8 @@ def _refused(token: int, what: str, winner: int | None, strict: bool) -> FencedO
     else:
         accepted = f"newer token {winner}"
     return FencedOut(
-        f"fenced out: {what} already accepted {accepted}, so token {token} may not write; "
-        "nothing was written (if your lease expired, another holder has taken over)",
+        f"fenced out: {what} already accepted {accepted}, so token {token} may not {verb}; "
+        f"{outcome} (if your lease expired, another holder has taken over)",
         token=token,
         resource=what,
         newer=winner,

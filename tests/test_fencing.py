@@ -10,6 +10,7 @@ import json
 import re
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -18,17 +19,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, event, insert, update
+from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engine, event, func, insert, select, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import make_url
 
 import dblock
-from dblock import FencedOut, LeaseLost, Locker, fence, fenced, fenced_update, fenced_upsert
+from dblock import FencedOut, LeaseLost, Locker, fence, fenced, fenced_read, fenced_update, fenced_upsert
 from dblock.schema import fences_table_name
 
 from .conftest import Db, wait_for
 from .fence_worker import counter_table
 
 WORKER = str(Path(__file__).with_name("fence_worker.py"))
+RMW_WORKER = str(Path(__file__).with_name("rmw_worker.py"))
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -291,6 +294,220 @@ def test_fenced_update_with_returning(db: Db, counter: Counter) -> None:
     assert counter.row() == (0, 2, new.token)
 
 
+# -- read-modify-write: stamp first, then read -------------------------------------------
+def read_n(conn: Any, counter: Counter) -> int:
+    t = counter.table
+    return int(conn.execute(select(t.c.n).where(t.c.id == 1)).scalar_one())
+
+
+def stamp_and_read_n(conn: Any, counter: Counter, lease: Any) -> int:
+    t = counter.table
+    return int(fenced_read(conn, select(t.c.n).where(t.c.id == 1), lease).scalar_one())
+
+
+def write_n(conn: Any, counter: Counter, lease: Any, n: int) -> None:
+    t = counter.table
+    fenced_update(conn, update(t).where(t.c.id == 1).values(n=n), lease)
+
+
+def test_fenced_read_stamps_and_reads_in_one_statement(db: Db, counter: Counter) -> None:
+    lease = db.locker().acquire("resource")
+    counter.statements.clear()
+    with counter.engine.begin() as conn:
+        n = stamp_and_read_n(conn, counter, lease)
+        assert len(counter.statements) == 1 and counter.statements[0].startswith("UPDATE")
+        write_n(conn, counter, lease, n + 1)
+    assert len(counter.statements) == 2  # the stamp and the write: no extra SELECT
+    assert counter.row() == (1, 0, lease.token)
+    with counter.engine.begin() as conn:  # the same lease again: its own stamp does not refuse it
+        assert stamp_and_read_n(conn, counter, lease) == 1
+    t = counter.table
+    with counter.engine.begin() as conn:  # reads like the select: the whole table, keys and all
+        rows = fenced_read(conn, select(t).where(t.c.id == 1), lease).mappings().all()
+    assert rows == [{"id": 1, "n": 1, "owner": 0, "fence_token": lease.token}]
+    with counter.engine.begin() as conn:
+        assert fenced_read(conn, select(t.c.n).where(t.c.id == 42), lease).all() == []  # no row: nothing stamped
+    assert counter.accepted() == [lease.token] * 4  # stamp, write, stamp, stamp: the token never went down
+
+
+def test_fenced_read_refuses_when_any_row_carries_a_newer_token(db: Db, counter: Counter) -> None:
+    """All or nothing: a read that left out the newer holder's rows would look like a complete one."""
+    old = db.locker().acquire("resource", ttl=0.05)
+    new = takeover(db.locker(), "resource")
+    t = counter.table
+    db.query(f"INSERT INTO {counter.name} (id, n, owner) VALUES (2, 0, 0)")
+    with counter.engine.begin() as conn:
+        stamp_and_read_n(conn, counter, new)  # row 1 now carries the newer token; row 2 does not
+    with pytest.raises(FencedOut) as caught, counter.engine.begin() as conn:
+        fenced_read(conn, select(t.c.id, t.c.n), old)
+    assert (caught.value.token, caught.value.newer) == (old.token, new.token)
+    assert "roll back" in str(caught.value)
+    assert counter.row(1) == (0, 0, new.token) and counter.row(2) == (0, 0, 0)  # rolled back, never lowered
+    history = counter.accepted()
+    assert all(a <= b for a, b in zip(history, history[1:])), history
+
+
+def test_a_naive_read_then_fenced_update_loses_an_update(db: Db, counter: Counter) -> None:
+    """Why fenced_read exists. Both writes pass their fence: the fence orders writes, not reads."""
+    locker = db.locker()
+    a = locker.acquire("resource", ttl=0.05)
+    with counter.engine.begin() as conn:
+        seen_by_a = read_n(conn, counter)
+    b = takeover(db.locker(), "resource")  # A's lease expired while it paused
+    with counter.engine.begin() as conn:
+        seen_by_b = read_n(conn, counter)
+    with counter.engine.begin() as conn:
+        write_n(conn, counter, a, seen_by_a + 1)  # late, but no newer token reached the row yet
+    with counter.engine.begin() as conn:
+        write_n(conn, counter, b, seen_by_b + 1)
+    assert counter.accepted() == [a.token, b.token]  # two accepted increments...
+    assert counter.row()[0] == 1  # ...and one of them lost
+
+
+def test_stamp_first_refuses_the_late_write_of_an_older_holder(db: Db, counter: Counter) -> None:
+    """The same interleaving through fenced_read: B's stamp reaches the row before A's late write."""
+    locker = db.locker()
+    a = locker.acquire("resource", ttl=0.05)
+    with counter.engine.begin() as conn:
+        seen_by_a = stamp_and_read_n(conn, counter, a)
+    b = takeover(db.locker(), "resource")
+    with counter.engine.begin() as conn:
+        seen_by_b = stamp_and_read_n(conn, counter, b)
+    with pytest.raises(FencedOut) as caught, counter.engine.begin() as conn:
+        write_n(conn, counter, a, seen_by_a + 1)
+    assert caught.value.newer == b.token
+    with counter.engine.begin() as conn:
+        write_n(conn, counter, b, seen_by_b + 1)
+    assert counter.row() == (1, 0, b.token)  # one accepted increment, one count
+
+
+def test_stamp_first_in_one_transaction_makes_the_newer_holder_read_the_older_ones_write(
+    db: Db, counter: Counter
+) -> None:
+    """A stamped and read, then paused past its TTL with its transaction open. B's stamp waits for A's
+    transaction; A's late write is legal (nothing newer reached the row) and B reads it."""
+    locker = db.locker()
+    a = locker.acquire("resource", ttl=0.05)
+    conn_a = counter.engine.connect()
+    seen_by_a = stamp_and_read_n(conn_a, counter, a)
+    wait_for(lambda: not locker.leases(), what="A's lease to expire by database time")
+    other = db.locker()
+    outcome: list[object] = []
+
+    def holder_b() -> None:
+        try:
+            # On SQLite A's open transaction holds the database's write lock, so even the takeover
+            # waits for it; on PostgreSQL the takeover is granted and the stamp waits for the row.
+            b = takeover(other, "resource")
+            outcome.append(b)
+            with counter.engine.begin() as conn:
+                n = stamp_and_read_n(conn, counter, b)
+                write_n(conn, counter, b, n + 1)
+            outcome.append(n)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=holder_b)
+    thread.start()
+    b_waited = True
+    try:
+        if db.backend == "postgresql":  # B's stamp waits for the row lock A's stamp holds
+            waiting = lambda: bool(  # noqa: E731
+                db.query(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                    (f"UPDATE {counter.name}%",),
+                )
+            )
+            wait_for(lambda: waiting() or not thread.is_alive(), what="B's stamp to wait or finish")
+            b_waited = thread.is_alive()
+        else:  # A's stamp holds SQLite's write lock, so B's takeover waits for A's commit
+            b_waited = write_locked(db)
+        write_n(conn_a, counter, a, seen_by_a + 1)
+        conn_a.commit()
+    finally:
+        conn_a.close()  # also on failure: an open transaction would block the table's teardown
+        thread.join(30)
+    assert b_waited, outcome
+    b, seen_by_b = outcome
+    assert seen_by_b == 1  # B read A's write
+    assert counter.row() == (2, 0, b.token)  # type: ignore[union-attr]  # two accepted increments, two counts
+
+
+def write_locked(db: Db) -> bool:
+    """Whether a transaction holds the SQLite database's write lock right now."""
+    probe = sqlite3.connect(make_url(db.url).database, timeout=0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:
+        return True
+    finally:
+        probe.close()
+
+
+def _rmw(db: Db, counter: Counter, mode: str, processes: int = 3, threads: int = 3) -> tuple[int, int, int]:
+    """The lost-update loop of issue 11 in ``processes`` x ``threads``: acquire (tiny TTL), read, pause
+    0-8 ms, fenced write of read + 1, release. Returns (accepted writes, refused, takeovers seen)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, RMW_WORKER, db.url, db.table, counter.name, "0.003", str(threads), "1.5", mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for _ in range(processes)
+    ]
+    accepted = refused = takeovers = 0
+    try:
+        for p in procs:  # every worker connected: start them together
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        start_at = repr(time.monotonic() + 0.05)
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(start_at + "\n")
+            p.stdin.flush()
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0
+            report = json.loads(out)
+            accepted += report["accepted"]
+            refused += report["refused"]
+            takeovers += report["takeovers"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return accepted, refused, takeovers
+
+
+def test_read_modify_write_loop_loses_no_update_when_it_stamps_first(db: Db, counter: Counter) -> None:
+    """3 processes x 3 threads, 3 ms TTLs, pauses of 0-8 ms between the read and the write: with
+    fenced_read the counter equals the number of accepted writes, and no stored token went down."""
+    accepted, refused, takeovers = _rmw(db, counter, "stamp")
+    assert takeovers > 0, "no lease was taken over during a read-modify-write: the loop tested nothing"
+    assert accepted + refused >= 45, "the loop did not race"
+    n, _, _ = counter.row()
+    assert n == accepted, f"{accepted - n} lost updates ({refused} writes refused)"
+    history = counter.accepted()
+    assert all(a <= b for a, b in zip(history, history[1:])), "a stored token went down"
+
+
+def test_read_modify_write_loop_without_the_stamp_loses_updates(pg: Db) -> None:
+    """The same loop reading with a plain SELECT: fenced writes alone lose updates (issue 11 saw 447
+    after 565 accepted writes). This is what the test above would see if fenced_read did not stamp."""
+    counter = Counter(pg)
+    try:
+        accepted, refused, takeovers = _rmw(pg, counter, "naive")
+        n, _, _ = counter.row()
+        assert n < accepted
+        history = counter.accepted()
+        assert all(a <= b for a, b in zip(history, history[1:])), "every write passed its fence"
+    finally:
+        counter.drop()
+
+
 # -- the fences table -----------------------------------------------------------------
 def test_fence_table_refuses_a_stale_token_and_rolls_back_the_callers_writes(db: Db, counter: Counter) -> None:
     old = db.locker().acquire("report", ttl=0.05)
@@ -354,6 +571,32 @@ def test_check_lease_refuses_an_autocommit_connection(db: Db, counter: Counter) 
     with counter.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         with pytest.raises(ValueError, match="AUTOCOMMIT"):
             dblock.check_lease(conn, lease)
+
+
+@pytest.mark.parametrize("via", ["connection", "session"])
+def test_commit_guard_refuses_an_autocommit_connection_before_the_block_runs(
+    db: Db, counter: Counter, via: str
+) -> None:
+    """Each statement of an AUTOCOMMIT connection commits at once, unchecked: the guard must refuse
+    on entering, so no write inside the block can reach the table."""
+    from sqlalchemy.orm import Session
+
+    lease = db.locker().acquire("resource")
+    t = counter.table
+    autocommit = counter.engine.execution_options(isolation_level="AUTOCOMMIT")
+    ran: list[bool] = []
+    with autocommit.connect() as conn, Session(autocommit) as session:
+        target: Any = conn if via == "connection" else session
+        counter.statements.clear()
+        with pytest.raises(ValueError, match="AUTOCOMMIT"), dblock.commit_guard(target, lease):
+            ran.append(True)
+            target.execute(update(t).where(t.c.id == 1).values(owner=1))
+        assert not ran, "the block's body ran on an AUTOCOMMIT connection"
+        assert counter.statements == []
+        if via == "session":
+            assert not session.in_transaction()  # the check left no transaction behind
+    assert counter.row() == (0, 0, 0)
+    assert counter.accepted() == []
 
 
 @pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
@@ -458,6 +701,22 @@ nullable_fence = Table("nullable_fence", MetaData(), Column("n", Integer), Colum
         (lambda c, t, l: fence(c, l, table="bad name"), ValueError),
         (lambda c, t, l: dblock.check_lease(c, l.token), TypeError),
         (lambda c, t, l: fenced_update(c, update(nullable_fence).values(n=1), l), ValueError),
+        (lambda c, t, l: fenced_read(c, update(t).values(n=1), l), TypeError),  # type: ignore[arg-type]
+        (lambda c, t, l: fenced_read(c, select(t.c.n), 0), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n), l, column="nope"), ValueError),
+        (lambda c, t, l: fenced_read(c, select(nullable_fence.c.n), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).order_by(t.c.n), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).limit(1), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).offset(1), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).distinct(), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).with_for_update(skip_locked=True), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).group_by(t.c.n), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n, nullable_fence.c.n), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n).join(nullable_fence, t.c.n == nullable_fence.c.n), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(func.count()).select_from(t), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(func.max(t.c.n)), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n + 1), l), ValueError),
+        (lambda c, t, l: fenced_read(c, select(t.c.n.label("m")), l), ValueError),
     ],
 )
 def test_bad_input_is_refused_before_any_sql(db: Db, counter: Counter, call: Any, error: type) -> None:

@@ -205,6 +205,56 @@ def test_changes_pending_at_the_end_of_the_block_are_flushed_under_the_fence(mod
     assert models.rows()[0] == (1, 1, new.token)
 
 
+def test_changes_pending_at_the_end_of_the_block_are_flushed_not_committed(models: Models) -> None:
+    _, new = models.stale_and_fresh()
+    with Session(models.engine) as s:
+        with fenced_session(s, new):
+            s.get(models.Account, 1).balance = 1  # type: ignore[union-attr]
+            models.statements.clear()
+        assert [q for q in models.statements if q.startswith("UPDATE")]  # flushed as the block ended
+        assert s.in_transaction()
+        assert models.rows()[0] == (1, 100, 0)  # another connection: nothing committed yet
+        s.rollback()  # the caller decides: this discards the flushed change
+    assert models.rows()[0] == (1, 100, 0)
+
+
+def test_fenced_read_through_a_session_stamps_and_refreshes_the_objects(models: Models) -> None:
+    """Read-modify-write in the ORM: the stamp brings loaded objects up to date and fences out the
+    older holder, which read before it (without the stamp, its late write would land first)."""
+    old, new = models.stale_and_fresh()
+    Account = models.Account
+    with Session(models.engine) as stale, Session(models.engine) as s:
+        stale_account = stale.get(Account, 1)  # the old holder reads, then pauses
+        account = s.get(Account, 1)  # the new holder loaded the row earlier...
+        models.write(old, Account, 1, balance=50)  # ...and a late write by the old holder landed since
+        models.statements.clear()
+        (read,) = dblock.fenced_read(s, select(Account).where(Account.id == 1), new).scalars().all()
+        assert len(models.statements) == 1 and models.statements[0].startswith("UPDATE")
+        assert read is account
+        assert (account.balance, account.fence_token) == (50, new.token)  # type: ignore[union-attr]
+        with fenced_session(s, new):
+            account.balance += 10  # type: ignore[union-attr]
+            s.commit()
+        assert models.rows()[0] == (1, 60, new.token)
+        with pytest.raises(FencedOut), fenced_session(stale, old):
+            stale_account.balance = 0  # type: ignore[union-attr]
+            stale.commit()
+    assert models.rows()[0] == (1, 60, new.token)
+
+
+def test_fenced_read_refuses_a_row_a_newer_lease_stamped(models: Models) -> None:
+    old, new = models.stale_and_fresh()
+    Account = models.Account
+    with Session(models.engine) as s:
+        dblock.fenced_read(s, select(Account.balance).where(Account.id == 1), new)
+        s.commit()
+        with pytest.raises(FencedOut) as caught:
+            dblock.fenced_read(s, select(Account).where(Account.id == 1), old)
+        assert caught.value.newer == new.token
+        s.rollback()
+    assert models.rows()[0] == (1, 100, new.token)
+
+
 def test_commit_guard_on_a_session(models: Models) -> None:
     locker = models.locker
     lease = locker.acquire("accounts", ttl=30)
