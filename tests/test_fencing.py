@@ -494,20 +494,6 @@ def test_read_modify_write_loop_loses_no_update_when_it_stamps_first(db: Db, cou
     assert all(a <= b for a, b in zip(history, history[1:])), "a stored token went down"
 
 
-def test_read_modify_write_loop_without_the_stamp_loses_updates(pg: Db) -> None:
-    """The same loop reading with a plain SELECT: fenced writes alone lose updates (issue 11 saw 447
-    after 565 accepted writes). This is what the test above would see if fenced_read did not stamp."""
-    counter = Counter(pg)
-    try:
-        accepted, refused, takeovers = _rmw(pg, counter, "naive")
-        n, _, _ = counter.row()
-        assert n < accepted
-        history = counter.accepted()
-        assert all(a <= b for a, b in zip(history, history[1:])), "every write passed its fence"
-    finally:
-        counter.drop()
-
-
 # -- the fences table -----------------------------------------------------------------
 def test_fence_table_refuses_a_stale_token_and_rolls_back_the_callers_writes(db: Db, counter: Counter) -> None:
     old = db.locker().acquire("report", ttl=0.05)
