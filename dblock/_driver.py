@@ -63,7 +63,7 @@ class Result(NamedTuple):
 
 
 class _Conn:
-    __slots__ = ("raw", "cursor", "busy_ms", "deadline", "cut")
+    __slots__ = ("raw", "cursor", "busy_ms", "deadline", "cut", "waiting")
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
@@ -71,6 +71,7 @@ class _Conn:
         self.busy_ms = SQLITE_BUSY_TIMEOUT_MS
         self.deadline = math.inf  # while a statement runs: when the watchdog cuts it
         self.cut = False  # the watchdog shut this connection's socket down
+        self.waiting = False  # checked out for a waiting acquire's statement
 
 
 class Driver:
@@ -95,6 +96,7 @@ class Driver:
         self._cond = threading.Condition()
         self._idle: list[_Conn] = []
         self._open = 0  # connections checked out or idle (the listener's is not counted)
+        self._waiting_out = 0  # connections checked out for waiting acquires' statements
         self._pid = os.getpid()
 
     # -- connections -------------------------------------------------------
@@ -137,19 +139,30 @@ class Driver:
         raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         return raw
 
-    def _checkout(self, deadline: float, fresh: bool = False) -> _Conn:
+    def _checkout(self, deadline: float, fresh: bool = False, waiting: bool = False) -> _Conn:
         """A connection of the pool: an idle one, a new one while fewer than ``size`` are
-        open, or else the next one returned, waiting no later than ``deadline``."""
+        open, or else the next one returned, waiting no later than ``deadline``.
+
+        Statements of waiting acquires (``waiting``) may hold at most ``size - 1``
+        connections at once: one is kept for releases, extends and the rest, so
+        a crowd of waiters cannot make a release wait for a connection.
+        """
         if self._pid != os.getpid():
             # A forked child must not talk over its parent's sockets, and must not
             # wait for a lock some other parent thread held at the fork.
             self._reset()
         with self._cond:
             while True:
-                if self._idle and not fresh:
-                    return self._idle.pop()
-                if self._open < self.size:
+                if waiting and self._waiting_out >= max(1, self.size - 1):
+                    pass  # wait for another waiter's statement to finish
+                elif self._idle and not fresh:
+                    conn = self._idle.pop()
+                    conn.waiting = waiting
+                    self._waiting_out += waiting
+                    return conn
+                elif self._open < self.size:
                     self._open += 1
+                    self._waiting_out += waiting
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -159,28 +172,34 @@ class Driver:
                     )
                 self._cond.wait(left)
         try:
-            return _Conn(self.connect(deadline))
+            conn = _Conn(self.connect(deadline))
         except BaseException:
-            self._forget(1)
+            self._forget(1, waiting)
             raise
+        conn.waiting = waiting
+        return conn
 
     def _checkin(self, conn: _Conn) -> None:
         with self._cond:
             if self._pid == os.getpid() and not conn.cut:
+                self._waiting_out -= conn.waiting
+                conn.waiting = False
                 self._idle.append(conn)
-                self._cond.notify()
+                self._cond.notify_all()  # waiters' and others' turns differ: let each look
                 return
         self._discard(conn)
 
     def _discard(self, conn: _Conn) -> None:
         _close(conn)
-        self._forget(1)
+        self._forget(1, conn.waiting)
+        conn.waiting = False
 
-    def _forget(self, count: int) -> None:
+    def _forget(self, count: int, waiting: bool = False) -> None:
         with self._cond:
             if self._pid == os.getpid():
                 self._open -= count
-                self._cond.notify(count)
+                self._waiting_out -= waiting
+                self._cond.notify_all()
 
     def _drain(self) -> None:
         with self._cond:
@@ -212,6 +231,7 @@ class Driver:
         *,
         deadline: float,
         before: str | None = None,
+        waiting: bool = False,
     ) -> Result:
         """Run ``sql`` (and, if it returned no row, ``then``) on one connection, by ``deadline``.
 
@@ -220,6 +240,7 @@ class Driver:
         for another writer (then ``Busy``). A statement still running at the
         deadline is cut off (``DatabaseUnavailable``): it may or may not have
         committed. ``before`` runs first, in one transaction with ``sql``.
+        ``waiting`` marks a waiting acquire's statement (see ``_checkout``).
 
         A connection that breaks mid-statement is thrown away, with the idle
         ones (after a restart or failover they are all dead), and the statement
@@ -232,7 +253,7 @@ class Driver:
             if time.monotonic() >= deadline:
                 # Sent now, it could only be cut off: it would leave its outcome unknown for nothing.
                 raise DatabaseUnavailable(f"no time left for a statement on {self.where}")
-            conn = self._checkout(deadline, fresh=attempt == 2)
+            conn = self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             try:
                 if self.dialect == "sqlite":
                     self._busy_timeout(conn, deadline)
@@ -306,7 +327,7 @@ class Driver:
                 f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}",
                 sqlstate=sqlstate,
             )
-        if isinstance(exc, psycopg.errors.UndefinedColumn) or (
+        if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)) or (
             isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
         ):
             return SchemaMissing(

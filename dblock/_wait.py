@@ -1,6 +1,6 @@
-"""Waiting without polling: the per-process listener and the local hotspot queue.
+"""Waiting without polling: the per-process listener, heartbeat and local hotspot queue.
 
-Two pieces, both in-process:
+Three pieces, all in-process:
 
 ``Listener``: one PostgreSQL connection per Locker that LISTENs on a channel
 of its own, ``dblock_<id>``. Its waiters' owner ids start with that id, so a
@@ -14,6 +14,9 @@ connection breaks, a pooling proxy swallows LISTEN); waiters therefore also
 wake at the current lease's known expiry and on a jittered fallback interval,
 and a poll finds the lease theirs (the same owner retrying is granted it).
 The listener closes itself when nobody has waited for ``IDLE_CLOSE`` seconds.
+
+``Heartbeat``: keeps one row per Locker process fresh while it has fair
+waiters, so a frozen process's waiters lapse without each being refreshed.
 
 ``Hotspot``: threads of one process that wait for the same name queue up here,
 first come first served, and only the head talks to the database. A release by
@@ -223,6 +226,53 @@ def _close(conn: Any) -> None:
         pass
 
 
+class Heartbeat:
+    """Keeps this process's waiters alive in the queue: one statement per interval per
+    Locker, however many threads wait (PostgreSQL's fair queue, migration 0005).
+
+    A daemon thread runs ``beat()`` every ``interval`` seconds while at least
+    one thread waits, and ends once none has for an interval. A process that
+    freezes stops beating, and its waiters lapse together.
+    """
+
+    def __init__(self, beat: Callable[[], object], interval: float) -> None:
+        self._beat = beat
+        self._interval = interval
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def enter(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()  # the parent's thread did not survive the fork
+        with self._cond:
+            self._waiting += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dblock-heartbeat", daemon=True)
+                self._thread.start()
+
+    def leave(self) -> None:
+        with self._cond:
+            if self._pid == os.getpid():
+                self._waiting -= 1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait(self._interval)
+                if self._waiting <= 0:
+                    self._thread = None
+                    return
+            try:
+                self._beat()
+            except Exception as exc:  # noqa: BLE001 - the database is away: waiters ride it out, so do we
+                log.info("could not refresh this process's waiters (%s); retrying", exc)
+
+
 class _Line:
     __slots__ = ("waiters",)
 
@@ -285,4 +335,4 @@ class Hotspot:
             self._pid = os.getpid()
 
 
-__all__ = ["CHANNEL_PREFIX", "Hotspot", "Listener", "Slot"]
+__all__ = ["CHANNEL_PREFIX", "Heartbeat", "Hotspot", "Listener", "Slot"]

@@ -81,6 +81,9 @@ class Lease:
     def extend(self, ttl: float | None = None) -> None:
         """Push the expiry to (database now + ttl). Raises LeaseLost if someone else took the lock.
 
+        It never shortens the lease: a later expiry already set stays (a late
+        statement must not end a lease its holder still trusts).
+
         Works even after the TTL ran out, as long as no one else acquired in
         between: exclusivity was never broken.
         """

@@ -26,7 +26,7 @@ from . import statements
 from ._cleanup import Cleanup
 from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
 from ._redact import display_url, redact_command
-from ._wait import Hotspot, Listener
+from ._wait import Heartbeat, Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
@@ -44,6 +44,11 @@ DEFAULT_MAX_CONNECTIONS = 10
 GRACE = 1.0
 # While the database is unreachable, a wait retries after this pause, doubling.
 OUTAGE_RETRY_MIN, OUTAGE_RETRY_MAX = 0.05, 1.0
+# A fair waiter behind others looks (in case a notification was lost) at most this rarely.
+FALLBACK_MAX = 30.0
+# When the current lease is known to end, the first few in line look: a lease that ran
+# out unreleased is handed to the first live waiter by whoever looks (or leaves) first.
+EXPIRY_LOOKERS = 3
 
 
 class Locker:
@@ -59,7 +64,7 @@ class Locker:
     ``"host:pid command line"`` of this process.
 
     Waiting (``acquire``, ``lock``), see the README's "Waiting": on PostgreSQL
-    with ``fair=True`` waiters queue in the lock's row, first come first
+    with ``fair=True`` waiters queue (one row each, migration 0005), first come first
     served, and a release hands the lease to the first live waiter in the same
     statement; with ``notify=True`` that waiter is woken by NOTIFY through one
     listener connection per Locker, otherwise it polls. ``fair=False`` (and
@@ -124,10 +129,15 @@ class Locker:
         where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
         self._sql = statements.build(self.engine.dialect, self.table, self.schema)
         self._driver = Driver(self.engine, where, self.table, prepare=prepare, size=max_connections)
-        self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue in the row
+        self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue (a table of their own)
         self._listener = Listener(self._driver.connect) if self._queued and notify else None
         self._cleanup = Cleanup()
         self._hot = Hotspot()
+        # The fair queue's liveness: one heartbeat per Locker process, whatever the number of waiters.
+        # A waiter is skipped once its process's row is older than lapse: 4 beats missed, and a second.
+        self._lapse = 4 * self.poll_max + 1.0
+        self._heartbeat = Heartbeat(self._beat, self.poll_max) if self._queued else None
+        self._proc = ("", -1)  # (liveness id, pid it was made in)
         self._migrated = threading.Lock()
         self._default_label = ("", -1)  # (label, pid it was made in)
 
@@ -231,6 +241,20 @@ class Locker:
             return self._wait_in_queue(name, owner, ttl, timeout, deadline)
         return self._wait_in_line(name, owner, ttl, timeout, deadline)
 
+    def _proc_id(self) -> str:
+        proc, pid = self._proc
+        if pid != os.getpid():  # made before a fork: the child is another process
+            proc = secrets.token_hex(8)
+            self._proc = (proc, os.getpid())
+        return proc
+
+    def _beat(self) -> None:
+        self._driver.run(
+            self._sql.beat,  # type: ignore[arg-type]
+            {"proc": self._proc_id(), "lapse": self._lapse},
+            deadline=self._deadline(),
+        )
+
     def _deadline(self) -> float:
         """The deadline of a one-statement call starting now."""
         return time.monotonic() + self.op_timeout
@@ -256,7 +280,9 @@ class Locker:
     def _forget(self, name: str, owner: str) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
         if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
-            rows = self._driver.run(self._sql.cancel, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+            rows = self._driver.run(
+                self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
+            ).rows
             held = bool(rows and rows[0][0])
         else:
             rows = self._driver.run(
@@ -297,7 +323,7 @@ class Locker:
             while True:
                 me.clear()  # set again by a release in this process: try at once
                 try:
-                    lease, wait = self._attempt(name, owner, ttl, self._bound(deadline))
+                    lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True)
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except Busy:  # SQLite: another writer held the file for all the time we had
                     lease, wait = None, None
@@ -330,9 +356,9 @@ class Locker:
         return pause
 
     def _wait_in_queue(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
-        """Fair waiting on PostgreSQL: queue in the row, be handed the lease by a release."""
+        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
         self._ensure_schema()
-        listener = self._listener
+        listener, heartbeat = self._listener, self._heartbeat
         slot, ident = None, None
         if listener is not None:
             owner = listener.owner_id()  # hand-offs to it are notified on this listener's channel
@@ -341,6 +367,9 @@ class Locker:
         outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
         unsure = False  # an attempt went unanswered: it may have queued us or granted us the lease
         outage_delay = OUTAGE_RETRY_MIN
+        seq: int | None = None  # our place in line, once queued
+        if heartbeat is not None:
+            heartbeat.enter()
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -349,18 +378,19 @@ class Locker:
                     if ident is None:  # not running (an outage killed it): start it again
                         listener.revive(min(deadline, self._deadline()))
                         ident = listener.ident
-                # Poll (or fall back) at most every 2 x poll_max; an entry not
-                # refreshed well after that is skipped as dead.
-                lapse = min(left, 4 * self.poll_max + 1.0)
                 sent_at = time.monotonic()
                 try:
                     rows = self._driver.run(
                         self._sql.enqueue,  # type: ignore[arg-type]
                         {
-                            "name": name, "owner": owner, "ttl": ttl, "label": self._label(), "lapse": lapse,
+                            "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
+                            "proc": self._proc_id(), "lapse": self._lapse,
                             "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
+                            # The entry dies with the wait: skipped if this process cannot leave the line.
+                            "until": None if left == math.inf else max(left, 0.0) + GRACE, "seq": seq,
                         },
                         deadline=self._bound(deadline),
+                        waiting=True,
                     ).rows
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
@@ -371,7 +401,7 @@ class Locker:
                     continue
                 if not rows:
                     continue  # a concurrent first acquire created the row just now: look again
-                granted, token, expires_at, wait, ahead = rows[0]
+                granted, token, expires_at, wait, seq, ahead = rows[0]
                 if granted:
                     return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at)
                 queued_at = sent_at
@@ -379,8 +409,12 @@ class Locker:
                 if left <= 0:
                     break
                 if slot is not None and ident is not None:
-                    pause = self.poll_max + random.random() * self.poll_max  # fallback only
-                    if wait is not None:
+                    # A release hands over and notifies; looking is a fallback in case a
+                    # notification was lost, rarer the further back in line. The first
+                    # few in line also look when the current lease ends (a holder that
+                    # died): that look hands the lease to the first live waiter.
+                    pause = min((self.poll_max + random.random() * self.poll_max) * (1 + ahead), FALLBACK_MAX)
+                    if wait is not None and ahead < EXPIRY_LOOKERS:
                         pause = min(pause, max(wait, 0.001))
                     slot.event.wait(min(pause, left))
                     if slot.grant is not None:
@@ -402,7 +436,9 @@ class Locker:
             # Out of time: leave the queue, unless a release handed us the lease first.
             try:
                 rows = self._driver.run(
-                    self._sql.cancel, {"name": name, "owner": owner}, deadline=self._bound(deadline)  # type: ignore[arg-type]
+                    self._sql.cancel,  # type: ignore[arg-type]
+                    {"name": name, "owner": owner, "seq": seq},
+                    deadline=self._bound(deadline),
                 ).rows
             except DatabaseUnavailable as exc:
                 self._abandon(name, owner, ttl)
@@ -419,6 +455,8 @@ class Locker:
                     self._end({"name": name, "owner": owner, "token": rows[0][1]}, self._bound(deadline))
             raise self._out_of_time(name, timeout, outage)
         finally:
+            if heartbeat is not None:
+                heartbeat.leave()
             if listener is not None:
                 listener.unregister(owner)
 
@@ -466,7 +504,7 @@ class Locker:
         )
 
     def _attempt(
-        self, name: str, owner: str, ttl: float, deadline: float | None = None
+        self, name: str, owner: str, ttl: float, deadline: float | None = None, *, waiting: bool = False
     ) -> tuple[Lease | None, float | None]:
         self._ensure_schema()
         if deadline is None:
@@ -477,6 +515,7 @@ class Locker:
             {"name": name, "owner": owner, "ttl": ttl, "label": self._label()},
             self._sql.holder,
             deadline=deadline,
+            waiting=waiting,
         )
         if self._sql.dialect == "postgresql":
             if not rows:

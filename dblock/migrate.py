@@ -39,7 +39,11 @@ from .schema import (
     fences_table,
     fences_table_name,
     locks_table,
+    procs_table,
+    procs_table_name,
     token_index_name,
+    waiters_table,
+    waiters_table_name,
     token_sequence_name,
     version_table_name,
 )
@@ -86,7 +90,11 @@ def exclude_dblock(
     """
     names = [check_identifier(t, "table") for t in tables or (DEFAULT_TABLE,)]
     schema = None if schema is None else check_identifier(schema, "schema")
-    hidden = {n for t in names for n in (t, fences_table_name(t), version_table_name(t))}
+    hidden = {
+        n
+        for t in names
+        for n in (t, fences_table_name(t), version_table_name(t), waiters_table_name(t), procs_table_name(t))
+    }
 
     def include(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
         if type_ == "table" and name in hidden and obj.schema == schema:
@@ -231,7 +239,10 @@ def _versions(conn: Connection, insp: Inspector, name: str, schema: str | None) 
 def _has_head_objects(insp: Inspector, table: str, schema: str | None) -> bool:
     """Whether every object of dblock's head is there: dblock.schema declares them (the drift test
     in tests/test_migrations.py checks that the migrations make exactly those)."""
-    for declared in (locks_table(table, schema), fences_table(table, schema)):
+    declared_tables = [locks_table(table, schema), fences_table(table, schema)]
+    if insp.dialect.name == "postgresql":  # the fair queue (SQLite's waiters poll)
+        declared_tables += [waiters_table(table, schema), procs_table(table, schema)]
+    for declared in declared_tables:
         if not insp.has_table(declared.name, schema=schema):
             return False
         present = {c["name"] for c in insp.get_columns(declared.name, schema=schema)}

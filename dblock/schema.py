@@ -11,16 +11,19 @@ from pathlib import Path
 
 import platformdirs
 from sqlalchemy import (
-    JSON,
     BigInteger,
     Column,
     DateTime,
     Float,
+    Identity,
+    Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
+    Text,
+    text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 
 from .errors import DBLockError
 
@@ -53,8 +56,12 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
     updates. SQLite takes the next token as max(token) + 1 inside its
     single-writer transaction and needs an index on token for that.
     ``label`` (migration 0003) says who took the latest grant, for operators;
-    no statement compares it. ``queue`` (migration 0004) lists the waiters
-    of a held lock in fair mode, oldest first; NULL when nobody waits.
+    no statement compares it. ``waiting`` (migration 0005) counts the name's
+    rows in the waiters table (PostgreSQL's fair queue): kept in this row so
+    that a release, which holds this row's lock, sees a waiter that joined
+    while it waited for the lock (a column of the locked row is re-read, a
+    row of another table is not), and so a release with nobody waiting stays
+    one plain UPDATE. Always 0 on SQLite.
     """
     md = metadata if metadata is not None else MetaData()
     t = Table(
@@ -66,10 +73,66 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
         Column("acquired_at", Timestamp, nullable=False),
         Column("expires_at", Timestamp, nullable=True),
         Column("label", String(LABEL_LENGTH), nullable=True),
-        Column("queue", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
+        Column("waiting", Integer, nullable=False, server_default=text("0")),
         schema=schema,
     )
     return t
+
+
+def waiters_table_name(table: str) -> str:
+    return f"{table}_waiters"
+
+
+def procs_table_name(table: str) -> str:
+    return f"{table}_procs"
+
+
+def queue_function_names(table: str) -> tuple[str, str, str]:
+    """PostgreSQL's queue functions for lock table ``table``: (enqueue, hand-off, cancel)."""
+    return f"{table}_enqueue", f"{table}_handoff", f"{table}_cancel"
+
+
+def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
+    """PostgreSQL only: the fair queue, one row per waiting acquire, in arrival order (``seq``).
+
+    Joining, leaving and being handed the lease each touch one row, so their
+    cost does not grow with the queue. A waiter is live while its process's
+    row in the procs table is fresh, its listener session (``pid`` started
+    at ``start``; NULL when it polls) exists, and its own deadline (``until``)
+    has not passed. Every change happens under the lock row's lock.
+    """
+    md = metadata if metadata is not None else MetaData()
+    return Table(
+        waiters_table_name(table),
+        md,
+        Column("name", String(255), nullable=False),
+        Column("seq", BigInteger, Identity(always=True), nullable=False),
+        Column("owner", String(OWNER_LENGTH), nullable=False),
+        Column("ttl", Float, nullable=False),
+        Column("label", String(LABEL_LENGTH), nullable=True),
+        Column("proc", Text, nullable=False),
+        Column("pid", Integer, nullable=True),
+        Column("start", DateTime(timezone=True), nullable=True),
+        Column("until", DateTime(timezone=True), nullable=True),
+        PrimaryKeyConstraint("name", "seq"),
+        schema=schema,
+    )
+
+
+def procs_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
+    """PostgreSQL only: a row per Locker process with waiters, fresh ``until`` while it lives.
+
+    Its heartbeat refreshes one row however many threads wait, so a frozen
+    process's waiters lapse together and a live one's cost no refreshes.
+    """
+    md = metadata if metadata is not None else MetaData()
+    return Table(
+        procs_table_name(table),
+        md,
+        Column("id", Text, primary_key=True),
+        Column("until", DateTime(timezone=True), nullable=False),
+        schema=schema,
+    )
 
 
 def fences_table_name(table: str) -> str:

@@ -3,7 +3,8 @@
 Usage: python pool_worker.py URL TABLE APP THREADS ROUNDS
 APP becomes the connections' application_name, so the test can count this
 process's connections. Prints "ready" once connected, starts on a line from
-stdin, then prints {"granted": n, "released": n, "errors": [...]} as JSON.
+stdin, then prints {"granted": n, "released": n, "errors": [...], "peak": n} as JSON,
+peak being the most pooled connections the Locker had open at once.
 """
 
 from __future__ import annotations
@@ -44,13 +45,24 @@ def main() -> None:
                 with guard:
                     errors.append(repr(exc))
 
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:  # the pool's own count: a cut connection's server session may linger after close
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], locker._driver.open_connections())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     workers = [threading.Thread(target=work) for _ in range(threads)]
     for w in workers:
         w.start()
     for w in workers:
         w.join()
+    done.set()
+    sampler.join()
     locker.close()
-    json.dump({**counts, "errors": errors}, sys.stdout)
+    json.dump({**counts, "errors": errors, "peak": peak[0]}, sys.stdout)
 
 
 if __name__ == "__main__":

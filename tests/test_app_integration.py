@@ -35,7 +35,14 @@ from dblock import (
     fenced_update,
     migrate,
 )
-from dblock.schema import DEFAULT_TABLE, fences_table_name, token_sequence_name, version_table_name
+from dblock.schema import (
+    DEFAULT_TABLE,
+    fences_table_name,
+    procs_table_name,
+    token_sequence_name,
+    version_table_name,
+    waiters_table_name,
+)
 
 from .conftest import libpq_dsn, wait_for
 
@@ -197,7 +204,8 @@ def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> No
     app.dblock_migrate()
     assert app.versions() == {"app_0001"}  # the app's history, untouched
     assert app.versions(version_table_name(app.table)) == {DBLOCK_HEAD}
-    app.check_autogenerate(app.table, fences_table_name(app.table), version_table_name(app.table))
+    queue_tables = [waiters_table_name(app.table), procs_table_name(app.table)] if app.schema is not None else []
+    app.check_autogenerate(app.table, fences_table_name(app.table), version_table_name(app.table), *queue_tables)
     assert app.lock_once() >= 1
 
 
@@ -209,6 +217,8 @@ def test_one_history_with_the_dblock_branch(app: App) -> None:
     app.alembic("upgrade", "heads")
     assert app.versions() == {"app_0001", DBLOCK_HEAD}
     dblock_tables = {app.table, fences_table_name(app.table)}
+    if app.schema is not None:  # PostgreSQL: the fair queue's tables too
+        dblock_tables |= {waiters_table_name(app.table), procs_table_name(app.table)}
     assert dblock_tables <= app.tables(app.schema)
     assert not any(t.startswith("alembic_version_dblock") for t in app.tables() | app.tables(app.schema))
     app.check_autogenerate()  # what the filter hides was shown above; here no version table of dblock's exists
@@ -252,6 +262,7 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
     assert cli.main(["--url", pg_url, "migrate", "--schema", schema, "--table", table]) == 0
     grants = readme_grants()
     for name, ours in (("app_user", role), ("locks_token_seq", token_sequence_name(table)),
+                       ("locks_waiters", waiters_table_name(table)), ("locks_procs", procs_table_name(table)),
                        ("fences", fences_table_name(table)), ("locks", table), ("app", schema)):
         grants = re.sub(rf"\b{name}\b", ours, grants)
     admin = psycopg.connect(libpq_dsn(pg_url), autocommit=True)
@@ -285,10 +296,11 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
         migrate.downgrade(admin_engine, table, schema, "dblock_0003")
         older = admin.execute(catalog).fetchall()
         with pytest.raises(PermissionDenied, match=f"needs upgrading.*{version_table_name(table)}.*dblock migrate"):
-            first.create_schema()  # it may not read dblock's version table, and 0004's column is missing
+            first.create_schema()  # it may not read dblock's version table, and 0004's and 0005's columns are missing
         assert admin.execute(catalog).fetchall() == older
         migrate.upgrade(admin_engine, table, schema)
         admin_engine.dispose()
+        admin.execute(grants)  # as the README says: tables an upgrade creates need the grants again
         assert admin.execute(catalog).fetchall() == before
         lease = first.acquire("job", timeout=1)
         assert second.try_acquire("job") is None
@@ -305,7 +317,7 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
                 fence(conn, lease)
         assert admin.execute(f"SELECT balance, fence_token FROM {schema}.accounts").fetchone() == (90, lease.token)
         # A waiter queues in the row; release hands the lease over (it reads pg_stat_get_activity).
-        queue = f"SELECT queue FROM {schema}.{table}"
+        queue = f"SELECT waiting FROM {schema}.{table}"
         assert not admin.execute(queue).fetchone()[0]  # the waiter that timed out left the queue
         waited: list[Lease] = []
         waiter = threading.Thread(target=lambda: waited.append(second.acquire("job", timeout=10)))

@@ -188,8 +188,9 @@ def test_waits_ride_out_a_restart(pg: Db, pg_server: Any, stop: str, options: di
     threads = [threading.Thread(target=wait) for _ in range(3)]
     for t in threads:
         t.start()
-    wait_for(lambda: len(pg.query(f"SELECT 1 FROM {pg.table} WHERE name = 'r' AND queue IS NOT NULL")) == 1
-             or "fair" in options, what="the waiters to queue")
+    if options.get("fair", True):
+        wait_for(lambda: pg.query(f"SELECT waiting FROM {pg.table} WHERE name = 'r'") == [(3,)],
+                 what="the waiters to queue")
     pg_ctl(["-m", stop, "-w", "restart"], pgdata=pg_server.pgdata, user=pg_server.system_user)
     for t in threads:
         t.join(timeout=60)
@@ -287,6 +288,8 @@ def test_200_waiters_in_4_processes_on_a_100_connection_server(pg: Db) -> None:
     assert [r["errors"] for r in reports] == [[]] * 4
     assert sum(r["granted"] for r in reports) == 4 * 50 * 2
     assert sum(r["released"] for r in reports) == 4 * 50 * 2
-    for i in range(4):
-        assert peak.get(f"w{i}", 0) <= 10, peak
+    # The pool's own count, sampled in each process; the server's view of a Locker may briefly
+    # show one more while a cut-off statement's session winds down after its connection closed.
+    assert all(0 < r["peak"] <= 10 for r in reports), [r["peak"] for r in reports]
     assert peak.get("dblock listener", 0) <= 4, peak
+    assert sum(peak.get(f"w{i}", 0) for i in range(4)) + peak.get("dblock listener", 0) < int(limit), peak

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import BigInteger, DateTime, Float, MetaData, String, Table, create_engine, event, inspect
+from sqlalchemy import BigInteger, DateTime, Float, Integer, MetaData, String, Table, create_engine, event, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from dblock import DatabaseUnavailable, DBLockError, Locker, migrate
@@ -18,9 +18,13 @@ from dblock.schema import (
     fences_table,
     fences_table_name,
     locks_table,
+    procs_table,
+    queue_function_names,
     token_index_name,
     token_sequence_name,
     version_table_name,
+    waiters_table,
+    waiters_table_name,
 )
 
 from .conftest import Db
@@ -35,7 +39,7 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
     reflected = {c["name"]: c for c in insp.get_columns(db.table)}
     declared = locks_table(db.table)
     assert list(reflected) == [c.name for c in declared.columns]
-    assert list(reflected) == ["name", "owner", "token", "acquired_at", "expires_at", "label", "queue"]
+    assert list(reflected) == ["name", "owner", "token", "acquired_at", "expires_at", "label", "waiting"]
     assert reflected["label"]["nullable"] and reflected["label"]["type"].length == LABEL_LENGTH == 255
     for column in declared.columns:
         got = reflected[column.name]
@@ -46,8 +50,8 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
             assert isinstance(got["type"], wanted), (column.name, got["type"])
             if db.backend == "postgresql":
                 assert got["type"].timezone
-        elif column.name == "queue":
-            assert type(got["type"]).__name__ == ("JSONB" if db.backend == "postgresql" else "JSON"), got["type"]
+        elif column.name == "waiting":
+            assert isinstance(got["type"], Integer) and not isinstance(got["type"], BigInteger), got["type"]
         elif isinstance(expected, String):
             assert isinstance(got["type"], String) and got["type"].length == expected.length, column.name
         else:
@@ -63,6 +67,28 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
         assert (cache, cycle) == (1, False)
     else:
         assert indexes == {token_index_name(db.table)}
+    engine.dispose()
+
+
+def test_migrated_queue_tables_and_functions_match_the_code(db: Db) -> None:
+    """PostgreSQL's fair queue (0005): the waiters and procs tables as declared, and the three
+    functions; SQLite, whose waiters poll, has none of them."""
+    engine = create_engine(db.url)
+    insp = inspect(engine)
+    tables = (waiters_table(db.table), procs_table(db.table))
+    if db.backend == "sqlite":
+        assert not any(insp.has_table(t.name) for t in tables)
+        engine.dispose()
+        return
+    for declared in tables:
+        reflected = {c["name"]: c for c in insp.get_columns(declared.name)}
+        assert list(reflected) == [c.name for c in declared.columns], declared.name
+        for column in declared.columns:
+            assert reflected[column.name]["nullable"] == column.nullable, (declared.name, column.name)
+        assert insp.get_pk_constraint(declared.name)["constrained_columns"] == [c.name for c in declared.primary_key]
+    assert {i["name"] for i in insp.get_indexes(waiters_table_name(db.table))} == set()  # the key is the index
+    functions = {r[0] for r in db.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (db.table + "_%",))}
+    assert functions == set(queue_function_names(db.table))
     engine.dispose()
 
 
@@ -92,7 +118,7 @@ def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
     )
     locker.create_schema()
     ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
-    assert version == "dblock_0004"
+    assert version == "dblock_0005"
     (old,) = locker.leases()
     assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
     lease = locker.try_acquire("new")
@@ -240,8 +266,8 @@ def test_create_schema_leaves_tables_from_a_newer_dblock_alone(db: Db) -> None:
     locker.create_schema()
     assert _catalog(db) == before
     assert locker.try_acquire("x") is not None
-    # Without what this dblock needs (0004's queue column), it says so and changes nothing.
-    db.query(f"ALTER TABLE {db.table} DROP COLUMN queue")
+    # Without what this dblock needs (0005's waiting column), it says so and changes nothing.
+    db.query(f"ALTER TABLE {db.table} DROP COLUMN waiting")
     before = _catalog(db)
     with pytest.raises(DBLockError, match=r"newer dblock \(revision dblock_9999\).*upgrade dblock") as caught:
         locker.create_schema()

@@ -119,7 +119,7 @@ def test_every_call_through_the_pooler(pg: Db, pgbouncer: PgBouncer) -> None:
     got: list[Lease] = []
     waiter = threading.Thread(target=lambda: got.append(c.acquire("smoke", ttl=30, timeout=60)))
     waiter.start()
-    wait_for(lambda: pg.query(f"SELECT queue FROM {pg.table} WHERE name = 'smoke'")[0][0], what="c queued")
+    wait_for(lambda: pg.query(f"SELECT waiting FROM {pg.table} WHERE name = 'smoke'")[0][0], what="c queued")
     assert lease.release() is True
     waiter.join(60)
     assert len(got) == 1 and got[0].token > lease.token  # handed over in turn (G2)

@@ -38,9 +38,18 @@ def proxy(pg: Db):
 
 
 def queue(db: Db, name: str) -> list[dict[str, Any]]:
-    rows = db.query(f"SELECT queue FROM {db.table} WHERE name = %s", (name,))
-    value = rows[0][0] if rows else None
-    return json.loads(value) if isinstance(value, str) else (value or [])
+    """The name's waiters in line: owner ("o"), listener pid ("p"), process id ("proc"), place ("seq")."""
+    rows = db.query(f"SELECT owner, pid, proc, seq FROM {db.table}_waiters WHERE name = %s ORDER BY seq", (name,))
+    return [{"o": o, "p": p, "proc": proc, "seq": seq} for o, p, proc, seq in rows]
+
+
+def join_queue_in(conn: Any, db: Db, name: str, owner: str, ttl: float) -> None:
+    """In ``conn``'s open transaction: what a waiter's enqueue does, for another (live) process."""
+    conn.execute(f"SELECT FROM {db.table} WHERE name = %s FOR UPDATE", (name,))
+    conn.execute(f"INSERT INTO {db.table}_procs (id, until) VALUES ('p-' || %s, now() + interval '1 hour')", (owner,))
+    conn.execute(f"INSERT INTO {db.table}_waiters (name, owner, ttl, proc) VALUES (%s, %s, %s, 'p-' || %s)",
+                 (name, owner, ttl, owner))
+    conn.execute(f"UPDATE {db.table} SET waiting = waiting + 1 WHERE name = %s", (name,))
 
 
 def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -222,17 +231,20 @@ def test_a_waiter_that_stopped_refreshing_is_skipped(pg: Db) -> None:
     doomed.wait()
     wait_for(
         lambda: pg.query(
-            f"SELECT extract(epoch FROM now()) > (queue->0->>'d')::float8 FROM {pg.table} WHERE name = 'lapse'"
+            f"SELECT now() > q.until FROM {pg.table}_waiters AS w JOIN {pg.table}_procs AS q ON q.id = w.proc "
+            "WHERE w.name = 'lapse'"
         ) == [(True,)],
         what="the entry to lapse",
     )
     survivor = pg.locker(**SLOW)
     t, out = in_thread(lambda: survivor.acquire("lapse", timeout=60))
-    wait_for(lambda: [e["o"] for e in queue(pg, "lapse")] != [] and len(queue(pg, "lapse")) == 1
-             and queue(pg, "lapse")[0]["p"] is not None, what="the survivor to queue alone")
+    # The lapsed entry stays in line until a release or a grant reaches it: no waiter refreshes it.
+    wait_for(lambda: len(queue(pg, "lapse")) == 2 and queue(pg, "lapse")[1]["p"] is not None,
+             what="the survivor to queue behind it")
     assert held.release() is True
     lease = joined(t, out)
     assert lease.token > held.token
+    assert queue(pg, "lapse") == []  # the release dropped the lapsed entry on its way
     survivor.close()
 
 
@@ -273,10 +285,7 @@ def test_joining_the_queue_waits_for_a_concurrent_change_and_keeps_it(pg: Db) ->
     holder.try_acquire("epq", ttl=60)
     conn = pg.connect()
     conn.execute("BEGIN")
-    conn.execute(
-        f"""UPDATE {pg.table} SET queue = '[{{"o": "other", "t": 5, "l": null, "p": null, "s": null,
-        "d": 1e12}}]'::jsonb WHERE name = 'epq'"""
-    )
+    join_queue_in(conn, pg, "epq", "other", 5)
     t, out = in_thread(lambda: waiter.acquire("epq", timeout=2))
     wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
              what="the enqueue to wait for the row lock")
@@ -303,10 +312,7 @@ def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_
     assert lease is not None
     conn = pg.connect()
     conn.execute("BEGIN")
-    conn.execute(
-        f"""UPDATE {pg.table} SET queue = '[{{"o": "waiter", "t": 2, "l": null, "p": null, "s": null,
-        "d": 1e12}}]'::jsonb WHERE name = 'g5h'"""
-    )
+    join_queue_in(conn, pg, "g5h", "waiter", 2)
     t, out = in_thread(lease.release)
     wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
              what="the release to wait for the row lock")
@@ -318,6 +324,33 @@ def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_
     [(owner, expires_at)] = pg.query(f"SELECT owner, expires_at FROM {pg.table} WHERE name = 'g5h'")
     assert owner == "waiter"
     assert (expires_at - sent).total_seconds() >= 2, "the handed lease expires before the waiter stops trusting it"
+
+
+@pytest.mark.parametrize("verb", ["extend", "retry"])
+def test_a_late_statement_never_shortens_a_lease(pg: Db, verb: str) -> None:
+    """G5 against late statements: PostgreSQL computes an UPDATE's new values before it waits
+    for the row lock, and a statement the client cut off may run on the server later still.
+    Here an extend (or an acquire retried by the same owner, G6) waits behind a transaction
+    that sets a later expiry, as a later extend of the same holder would: the late statement
+    must keep the later expiry, or the lease would end while its holder still trusts it."""
+    locker = pg.locker()
+    lease = locker.try_acquire("late", ttl=60)
+    assert lease is not None
+    conn = pg.connect()
+    conn.execute("BEGIN")
+    conn.execute(f"UPDATE {pg.table} SET expires_at = now() + interval '1 hour' WHERE name = 'late'")
+    if verb == "extend":
+        call = lambda: lease.extend(2)  # noqa: E731
+    else:
+        call = lambda: locker._attempt("late", lease.owner, 2)  # noqa: E731
+    t, out = in_thread(call)
+    wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
+             what="the statement to wait for the row lock")
+    conn.execute("COMMIT")
+    conn.close()
+    joined(t, out)
+    [(left,)] = pg.query(f"SELECT extract(epoch FROM expires_at - now()) FROM {pg.table} WHERE name = 'late'")
+    assert left > 3000, "a late statement shortened the lease"
 
 
 # -- resources ------------------------------------------------------------------------
@@ -495,7 +528,7 @@ def test_a_table_from_before_the_queue_asks_for_a_migration(pg: Db) -> None:
     with pytest.raises(SchemaMissing, match="older dblock.*dblock migrate"):
         locker.acquire("old", timeout=1)
     locker.create_schema()
-    assert "queue" in {c for (c,) in pg.query(
+    assert "waiting" in {c for (c,) in pg.query(
         "SELECT column_name FROM information_schema.columns WHERE table_name = %s", (pg.table,))}
 
 
@@ -503,12 +536,15 @@ def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
     """Every queued entry lapsed or names a session that is gone: nobody is handed the lease."""
     holder = pg.locker()
     held = holder.try_acquire("ghosts", ttl=60)
-    pg.query(
-        f"""UPDATE {pg.table} SET queue = jsonb_build_array(
-            jsonb_build_object('o', 'lapsed', 't', 5, 'l', null, 'p', null, 's', null, 'd', 1),
-            jsonb_build_object('o', 'gone', 't', 5, 'l', null, 'p', 2147483647, 's', '2020-01-01', 'd', 1e12))
-        WHERE name = 'ghosts'"""
-    )
+    t = pg.table
+    pg.query(f"INSERT INTO {t}_procs (id, until) VALUES ('stale', now() - interval '1 s'), ('fresh', now() + interval '1 h')")
+    pg.query(f"""INSERT INTO {t}_waiters (name, owner, ttl, proc, pid, start) VALUES
+        ('ghosts', 'lapsed', 5, 'stale', NULL, NULL),
+        ('ghosts', 'gone', 5, 'fresh', 2147483647, '2020-01-01'),
+        ('ghosts', 'late', 5, 'fresh', NULL, NULL)""")
+    pg.query(f"UPDATE {t}_waiters SET until = now() - interval '1 s' WHERE owner = 'late'")
+    pg.query(f"UPDATE {t} SET waiting = 3 WHERE name = 'ghosts'")
     assert held.release() is True
-    assert pg.query(f"SELECT owner, queue FROM {pg.table} WHERE name = 'ghosts'") == [(None, None)]
+    assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'ghosts'") == [(None, 0)]
+    assert queue(pg, "ghosts") == []
     assert holder.try_acquire("ghosts") is not None
