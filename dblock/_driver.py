@@ -54,6 +54,11 @@ class Busy(DatabaseUnavailable):
     """SQLite stayed write-locked by another connection for the whole time allowed."""
 
 
+class OutOfTime(DatabaseUnavailable):
+    """The call's deadline came before its statement could be sent (no connection free in time,
+    or no time left): nothing reached the database, so nothing is in doubt."""
+
+
 class Result(NamedTuple):
     """What ``Driver.run`` got back."""
 
@@ -106,7 +111,7 @@ class Driver:
             return self._connect_sqlite()
         left = deadline - time.monotonic()
         if left <= 0:
-            raise DatabaseUnavailable(f"no time left to connect to {self.where}")
+            raise OutOfTime(f"no time left to connect to {self.where}")
         params = {
             # Where the URL sets none of its own: notice a dead peer on an idle
             # socket (keepalives) and on a socket with unacknowledged data
@@ -166,7 +171,7 @@ class Driver:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise DatabaseUnavailable(
+                    raise OutOfTime(
                         f"all {self.size} of this Locker's connections to {self.where} stayed busy "
                         "until the call's deadline (see Locker(max_connections=...))"
                     )
@@ -252,7 +257,7 @@ class Driver:
         for attempt in (1, 2):
             if time.monotonic() >= deadline:
                 # Sent now, it could only be cut off: it would leave its outcome unknown for nothing.
-                raise DatabaseUnavailable(f"no time left for a statement on {self.where}")
+                raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             try:
                 if self.dialect == "sqlite":

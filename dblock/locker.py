@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from . import statements
 from ._cleanup import Cleanup
-from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver
+from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver, OutOfTime
 from ._redact import display_url, redact_command
 from ._wait import Heartbeat, Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
@@ -193,6 +193,8 @@ class Locker:
         owner = secrets.token_hex(16)
         try:
             lease, _ = self._attempt(name, owner, ttl, self._deadline())
+        except OutOfTime:
+            raise  # nothing was sent
         except DatabaseUnavailable:
             self._abandon(name, owner, ttl)
             raise
@@ -231,6 +233,8 @@ class Locker:
         if timeout <= 0:
             try:
                 lease, _ = self._attempt(name, owner, ttl, self._bound(deadline))
+            except OutOfTime:
+                raise  # nothing was sent
             except DatabaseUnavailable:
                 self._abandon(name, owner, ttl)
                 raise
@@ -325,7 +329,7 @@ class Locker:
                 try:
                     lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True)
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
-                except Busy:  # SQLite: another writer held the file for all the time we had
+                except (Busy, OutOfTime):  # SQLite's other writer, or a busy pool, took all the time we had
                     lease, wait = None, None
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
                     lease, wait, outage, unsure = None, None, exc, True
@@ -393,6 +397,10 @@ class Locker:
                         waiting=True,
                     ).rows
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
+                except OutOfTime:  # nothing was sent: out of time, not an outage
+                    if time.monotonic() >= deadline:
+                        break
+                    continue
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
                     outage, unsure = exc, True
                     if time.monotonic() >= deadline:
@@ -441,8 +449,8 @@ class Locker:
                     deadline=self._bound(deadline),
                 ).rows
             except DatabaseUnavailable as exc:
-                self._abandon(name, owner, ttl)
-                raise self._out_of_time(name, timeout, exc) from exc
+                self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
+                raise self._out_of_time(name, timeout, outage if isinstance(exc, OutOfTime) else exc) from exc
             if rows and rows[0][0]:
                 # A release handed us the lease, or an attempt whose reply was
                 # lost granted it. Either way after the last attempt that came
