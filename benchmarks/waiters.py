@@ -329,7 +329,7 @@ def _throwaway(max_connections: int) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
         import pgserver
-        from pgserver._commands import pg_ctl
+        from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
         server = pgserver.get_server(tempfile.mkdtemp(prefix="dblock-bench-"), cleanup_mode="delete")
     server.psql("ALTER SYSTEM SET track_wal_io_timing = on;")
@@ -512,9 +512,10 @@ def main() -> None:
             f"{'(d) wake-up':>11} {'a+c+d':>7} {'notified':>8}"
         )
         flush = on["release"] - off["release"] if off else float("nan")
-        for v, r, b in ((DBLOCK, on, flush), (SYNC_OFF, off, float("nan")), (ADVISORY, adv, float("nan"))):
-            if r is None:
+        for v, row, b in ((DBLOCK, on, flush), (SYNC_OFF, off, float("nan")), (ADVISORY, adv, float("nan"))):
+            if row is None:
                 continue
+            r = row
             stamped = r["stamping"] and r["notified"] == r["notified"] and r["notified"] > 0
             a = r["a"] if stamped else r["release"]
             c, d = (r["c"], r["d"]) if stamped else (float("nan"), float("nan"))
