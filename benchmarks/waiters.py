@@ -33,7 +33,9 @@ over the window:
 - hand-over p50/p99 ms: a holder calls release -> a *different* thread's
   acquire returns (CLOCK_MONOTONIC is shared by the processes of one machine);
 - release ms: the median duration of the release call (client side), and its
-  ratio to the same variant's at the first size.
+  ratio to the same variant's at the first size;
+- WAL kB per grant: the server's WAL written in the window (pg_current_wal_lsn)
+  / grants; on a server others use too, their writes count as well.
 
 The breakdown (--breakdown SIZE, default 12 when it is among the sizes) adds a
 dblock variant whose connections run with ``synchronous_commit = off`` and
@@ -232,11 +234,12 @@ def run_round(variant: str, size: Size, args: argparse.Namespace, table: str, ti
             assert p.stdout is not None
             if p.stdout.readline() != "ready\n":
                 raise SystemExit(f"a {variant} worker failed while warming up ({size.label} waiters)")
-        start_at = repr(time.monotonic() + 0.05)
+        start_at = time.monotonic() + 0.05
         for p in procs:
             assert p.stdin is not None
-            p.stdin.write(start_at + "\n")
+            p.stdin.write(repr(start_at) + "\n")
             p.stdin.flush()
+        wal = _wal_written(args.dsn, start_at + times.settle, start_at + times.settle + times.seconds)
         outs = [json.loads(p.communicate(timeout=max(1.0, limit - time.monotonic()))[0]) for p in procs]
     finally:
         for p in procs:
@@ -276,7 +279,23 @@ def run_round(variant: str, size: Size, args: argparse.Namespace, table: str, ti
         "stamping": all(o["stamping"] for o in outs),
         "release": [e[3] * 1000 for e in events],
         "logged": logged,
+        "wal": wal,
     }
+
+
+def _wal_written(dsn: str, begin: float, end: float) -> float | None:
+    """Bytes of WAL the server wrote between two moments (monotonic), or None if it cannot say."""
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            time.sleep(max(0.0, begin - time.monotonic()))
+            first = c.execute("SELECT pg_current_wal_lsn()").fetchone()[0]  # type: ignore[index]
+            time.sleep(max(0.0, end - time.monotonic()))
+            row = c.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", (first,)).fetchone()
+            return float(row[0]) if row else None  # type: ignore[index]
+    except psycopg.Error:
+        return None
 
 
 def _shape_of(line: str) -> str:
@@ -311,6 +330,10 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "timeouts": sum(r["timeouts"] for r in rounds),
         "errors": errors,
         "per_grant": sum(r["statements"] for r in rounds) / grants if grants else float("nan"),
+        "wal_kb": (
+            sum(r["wal"] for r in rounds) / grants / 1024
+            if grants and all(r["wal"] is not None for r in rounds) else float("nan")
+        ),
         "p50": _p(handover, 50),
         "p99": _p(handover, 99),
         "release": _p([x for r in rounds for x in r["release"]], 50),
@@ -354,6 +377,23 @@ def _wal(dsn: str) -> tuple[int, float] | None:
             return (int(row[0]), float(row[1])) if row else None
     except psycopg.Error:
         return None
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, or None off Linux. Steal counts as busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def _busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    if before is None or after is None or after[1] == before[1]:
+        return "n/a"
+    return f"{(after[0] - before[0]) / (after[1] - before[1]) * 100:.0f}%"
 
 
 def _fmt(x: float, width: int = 7) -> str:
@@ -406,7 +446,7 @@ def main() -> None:
     ) + RESERVED
     server = None
     started = time.monotonic()
-    load_before = os.getloadavg()[0]  # the machine may be shared: say how busy it was
+    cpu_before = _cpu_times()  # the machine may be shared: say how busy it was
     if not args.url:
         server = _throwaway(need)
         args.url = server.get_uri()
@@ -420,6 +460,7 @@ def main() -> None:
         hide_password=False
     )
     dsn = sa_url.set(drivername="postgresql").render_as_string(hide_password=False)
+    args.dsn = dsn
     with psycopg.connect(dsn, autocommit=True) as raw:
         version = f"{raw.info.server_version // 10000}.{raw.info.server_version % 100}"
         allowed = int(raw.execute("SHOW max_connections").fetchone()[0])  # type: ignore[index]
@@ -455,6 +496,13 @@ def main() -> None:
             for _ in range(args.rounds):
                 for v in vs:
                     rounds[v].append(run_round(v, size, args, tables.get(v, "unused"), times))
+                    r = rounds[v][-1]
+                    print(  # progress, on stderr: a size of 1,000 takes minutes
+                        f"[{time.monotonic() - started:5.0f} s] {size.label} waiters, {v}, round {len(rounds[v])}: "
+                        f"{r['grants']} grants, {r['timeouts']} timeouts, {sum(r['errors'].values())} errors",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         finally:
             for table in tables.values():
                 locker = Locker(sa_url, table=table)
@@ -473,11 +521,11 @@ def main() -> None:
     print(
         f"waiters: hold {args.hold * 1000:g} ms, {args.rounds} interleaved rounds per size; "
         f"PostgreSQL {version} (max_connections {allowed}{', throwaway' if server else ''}), {os.cpu_count()} CPUs; "
-        f"whole run {wall:.0f} s; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        f"whole run {wall:.0f} s; CPU busy {_busy(cpu_before, _cpu_times())} of the time (all processes, ours too)"
     )
     head = (
         f"{'waiters':>7} {'shape':>8} {'variant':32} {'pool':>4} {'timeout':>7} {'window':>6} {'grants':>6} "
-        f"{'errors':>6} {'timeouts':>8} {'per grant':>9} {'p50 ms':>7} {'p99 ms':>7} {'release ms':>10} {'vs first':>8}"
+        f"{'errors':>6} {'timeouts':>8} {'per grant':>9} {'p50 ms':>7} {'p99 ms':>7} {'release ms':>10} {'vs first':>8} {'WAL kB/grant':>12}"
     )
     print(head)
     first: dict[str, float] = {}
@@ -490,7 +538,7 @@ def main() -> None:
             print(
                 f"{size.label:>7} {size.shape:>8} {v:32} {pool:>4} {times.timeout:6.3g}s {times.seconds:5.3g}s {r['grants']:6d} "
                 f"{sum(r['errors'].values()):6d} {r['timeouts']:8d} {r['per_grant']:9.2f} {_fmt(r['p50'])} "
-                f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {r['release'] / first[v]:7.2f}x"
+                f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {_fmt(r['release'] / first[v])}x {_fmt(r['wal_kb'], 12)}"
             )
     for (label, v), r in results.items():
         for message, n in r["errors"].items():
