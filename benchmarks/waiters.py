@@ -1,7 +1,7 @@
 """Waiters at scale: many threads waiting for one name, dblock against pg_advisory_lock.
 
     python benchmarks/waiters.py [--url postgresql://...] [--sizes 12,200,1000] [--seconds S]
-        [--rounds 2] [--hold 0.002] [--timeout S] [--variants dblock;pg_advisory]
+        [--rounds 2] [--hold 0.002] [--timeout S] [--variants dblock;pg_advisory_lock|all]
         [--breakdown 12|none] [--advisory-max N]
 
 A size is a number of waiting threads, spread over worker processes:
@@ -9,7 +9,11 @@ A size is a number of waiting threads, spread over worker processes:
 (2x2). Each dblock process has a Locker with a pool of ``max_connections``
 10, except at 10 processes, where it is 4 so that the processes fit a server
 of default size (10 x (4 + 1 listener) = 50 sessions); PxT/N sets it to N.
-pg_advisory_lock needs one session per waiting thread.
+pg_advisory_lock needs one session per waiting thread; they set
+``deadlock_timeout`` past the acquire timeout (a superuser's setting; one
+advisory lock cannot deadlock): with the server's 1 s every waiter runs the
+deadlock check once it has waited a second, and a line of 1,000 stalls
+(``--variants all`` adds that variant).
 
 Every thread loops: a blocking acquire, hold --hold s, release. Workers
 report ready once every thread is warm (one acquire + release each, not
@@ -73,7 +77,15 @@ import contended  # noqa: E402 - the worker machinery: counting hook, dblock and
 DBLOCK = "dblock fair, NOTIFY (default)"
 SYNC_OFF = "dblock, synchronous_commit=off"
 ADVISORY = "pg_advisory_lock"
+# The same with the server's deadlock_timeout (1 s by default): every session
+# that has waited that long runs PostgreSQL's deadlock check, which holds all
+# of the lock manager's partitions while it walks the wait queue, so a line of
+# 1,000 stalls. The baseline raises it past the timeout for its own sessions
+# (one advisory lock cannot deadlock); this variant runs only when asked for.
+ADVISORY_DEFAULT = "pg_advisory_lock, deadlock_timeout 1 s"
+ADVISORIES = (ADVISORY, ADVISORY_DEFAULT)
 VARIANTS = [DBLOCK, ADVISORY]
+OPT_IN = [ADVISORY_DEFAULT]
 SHAPES = {12: (3, 4), 200: (4, 50), 1000: (10, 100)}
 DEFAULT_POOL, SMALL_POOL = 10, 4  # dblock's max_connections; SMALL_POOL from 10 processes on
 RESERVED = 15  # sessions a throwaway server has beyond the largest size: superuser reserve, the driver, a margin
@@ -109,7 +121,12 @@ def worker(args: argparse.Namespace) -> None:
     count = contended.Counter()
     stamps: dict[str, float] = {}
     stamping = False
-    if args.worker == ADVISORY:
+    if args.worker in ADVISORIES:
+        if args.worker == ADVISORY and args.deadlock_timeout:
+            from urllib.parse import quote
+
+            options = quote(f"-c deadlock_timeout={args.deadlock_timeout:g}s", safe="")
+            args.dsn += ("&" if "?" in args.dsn else "?") + "options=" + options
         acquire, release, close = contended._advisory(args, count)
     else:
         acquire, release, close = contended._dblock(args, count, {"max_connections": args.pool})
@@ -221,6 +238,7 @@ def run_round(variant: str, size: Size, args: argparse.Namespace, table: str, ti
         sys.executable, __file__, "--worker", variant, "--url", url, "--table", table,
         "--threads", str(size.threads), "--settle", repr(times.settle), "--seconds", repr(times.seconds),
         "--timeout", repr(times.timeout), "--hold", repr(args.hold), "--pool", str(size.pool),
+        "--deadlock-timeout", repr(times.timeout + 10 if args.superuser else 0.0),
     ]
     log = tempfile.TemporaryFile("w+")  # the workers' stderr (dblock's warnings), summed up in the report
     procs = [
@@ -411,7 +429,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per size")
     ap.add_argument("--hold", type=float, default=0.002)
     ap.add_argument("--timeout", type=float, help="acquire timeout (default max(5 s, 60 ms per waiter))")
-    ap.add_argument("--variants", help="semicolon-separated prefixes of: " + "; ".join(VARIANTS))
+    ap.add_argument("--variants", help="semicolon-separated prefixes of: " + "; ".join(VARIANTS + OPT_IN) + "; or all")
     ap.add_argument("--breakdown", default="12", help="the size whose hand-over is split, or 'none'")
     ap.add_argument(
         "--advisory-max", type=int, default=1000,
@@ -421,6 +439,7 @@ def main() -> None:
     ap.add_argument("--table", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--pool", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--deadlock-timeout", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--proc", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     from sqlalchemy.engine import make_url
@@ -432,13 +451,18 @@ def main() -> None:
 
     sizes = [Size(s.strip()) for s in args.sizes.split(",") if s.strip()]
     variants = list(VARIANTS)
-    if args.variants:
+    if args.variants == "all":
+        variants += OPT_IN
+    elif args.variants:
         wanted = [w.strip() for w in args.variants.split(";")]
-        variants = [v for v in variants if any(v.startswith(w) for w in wanted)]
+        variants = [
+            v for v in VARIANTS + OPT_IN
+            if any(v.startswith(w) and (v not in OPT_IN or len(w) > len(ADVISORY)) for w in wanted)
+        ]
     breakdown = next((s for s in sizes if s.label == args.breakdown), None) if args.breakdown != "none" else None
 
     def runs_advisory(size: Size) -> bool:
-        return ADVISORY in variants and size.waiters <= args.advisory_max
+        return any(v in variants for v in ADVISORIES) and size.waiters <= args.advisory_max
 
     need = max(
         max((s.waiters if runs_advisory(s) else 0) for s in sizes),
@@ -464,20 +488,31 @@ def main() -> None:
     with psycopg.connect(dsn, autocommit=True) as raw:
         version = f"{raw.info.server_version // 10000}.{raw.info.server_version % 100}"
         allowed = int(raw.execute("SHOW max_connections").fetchone()[0])  # type: ignore[index]
+        superuser = bool(raw.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user").fetchone()[0])  # type: ignore[index]
         in_use = int(raw.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").fetchone()[0])  # type: ignore[index]
+    args.superuser = superuser
     free = allowed - in_use - 5  # superuser_reserved_connections (3) and a margin
     notes: list[str] = []
+    if ADVISORY in variants:
+        if superuser:
+            notes.append(
+                "pg_advisory_lock: its sessions set deadlock_timeout past the acquire timeout "
+                "(--variants 'pg_advisory_lock, deadlock' runs it with the server's own)"
+            )
+        else:
+            notes.append("pg_advisory_lock: not a superuser, so its sessions keep the server's deadlock_timeout")
     plan: list[tuple[Size, list[str]]] = []
     for size in sizes:
-        vs = [v for v in variants if v != ADVISORY or runs_advisory(size)]
-        if ADVISORY in variants and ADVISORY not in vs:
-            notes.append(f"{size.label} waiters: pg_advisory_lock not run (--advisory-max {args.advisory_max})")
-        if ADVISORY in vs and size.waiters > free:
-            vs.remove(ADVISORY)
-            notes.append(
-                f"{size.label} waiters: pg_advisory_lock not run: it needs {size.waiters} sessions, "
-                f"the server has {free} free (max_connections {allowed})"
-            )
+        vs = [v for v in variants if v not in ADVISORIES or runs_advisory(size)]
+        for v in ADVISORIES:
+            if v in variants and v not in vs:
+                notes.append(f"{size.label} waiters: {v} not run (--advisory-max {args.advisory_max})")
+            if v in vs and size.waiters > free:
+                vs.remove(v)
+                notes.append(
+                    f"{size.label} waiters: {v} not run: it needs {size.waiters} sessions, "
+                    f"the server has {free} free (max_connections {allowed})"
+                )
         if size is breakdown and DBLOCK in vs:
             vs.insert(1, SYNC_OFF)
         plan.append((size, vs))
@@ -487,7 +522,7 @@ def main() -> None:
     wal: dict[str, float] = {}
     for size, vs in plan:
         times = settings[size.label] = Times(args, size.waiters)
-        tables = {v: "bench_" + secrets.token_hex(4) for v in vs if v != ADVISORY}
+        tables = {v: "bench_" + secrets.token_hex(4) for v in vs if v not in ADVISORIES}
         rounds: dict[str, list[dict[str, Any]]] = {v: [] for v in vs}
         wal_before = _wal(dsn) if size is breakdown else None
         try:
@@ -524,7 +559,7 @@ def main() -> None:
         f"whole run {wall:.0f} s; CPU busy {_busy(cpu_before, _cpu_times())} of the time (all processes, ours too)"
     )
     head = (
-        f"{'waiters':>7} {'shape':>8} {'variant':32} {'pool':>4} {'timeout':>7} {'window':>6} {'grants':>6} "
+        f"{'waiters':>7} {'shape':>8} {'variant':40} {'pool':>4} {'timeout':>7} {'window':>6} {'grants':>6} "
         f"{'errors':>6} {'timeouts':>8} {'per grant':>9} {'p50 ms':>7} {'p99 ms':>7} {'release ms':>10} {'vs first':>8} {'WAL kB/grant':>12}"
     )
     print(head)
@@ -534,9 +569,9 @@ def main() -> None:
         for v in vs:
             r = results[(size.label, v)]
             first.setdefault(v, r["release"])
-            pool = str(size.pool) if v != ADVISORY else "-"
+            pool = str(size.pool) if v not in ADVISORIES else "-"
             print(
-                f"{size.label:>7} {size.shape:>8} {v:32} {pool:>4} {times.timeout:6.3g}s {times.seconds:5.3g}s {r['grants']:6d} "
+                f"{size.label:>7} {size.shape:>8} {v:40} {pool:>4} {times.timeout:6.3g}s {times.seconds:5.3g}s {r['grants']:6d} "
                 f"{sum(r['errors'].values()):6d} {r['timeouts']:8d} {r['per_grant']:9.2f} {_fmt(r['p50'])} "
                 f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {_fmt(r['release'] / first[v])}x {_fmt(r['wal_kb'], 12)}"
             )
