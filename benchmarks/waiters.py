@@ -34,6 +34,8 @@ over the window:
 - per grant: statements sent in the window / grants in the window (the
   counting hook on dblock's Driver._execute that contended.py uses; one per
   advisory lock or unlock call);
+- per s: statements sent per second of the window, all processes together
+  (it shows the load when few or no grants come through);
 - hand-over p50/p99 ms: a holder calls release -> a *different* thread's
   acquire returns (CLOCK_MONOTONIC is shared by the processes of one machine);
 - release ms: the median duration of the release call (client side), and its
@@ -298,6 +300,7 @@ def run_round(variant: str, size: Size, args: argparse.Namespace, table: str, ti
         "release": [e[3] * 1000 for e in events],
         "logged": logged,
         "wal": wal,
+        "window": times.seconds,
     }
 
 
@@ -348,6 +351,7 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "timeouts": sum(r["timeouts"] for r in rounds),
         "errors": errors,
         "per_grant": sum(r["statements"] for r in rounds) / grants if grants else float("nan"),
+        "per_second": sum(r["statements"] / r["window"] for r in rounds) / len(rounds),
         "wal_kb": (
             sum(r["wal"] for r in rounds) / grants / 1024
             if grants and all(r["wal"] is not None for r in rounds) else float("nan")
@@ -560,7 +564,7 @@ def main() -> None:
     )
     head = (
         f"{'waiters':>7} {'shape':>8} {'variant':40} {'pool':>4} {'timeout':>7} {'window':>6} {'grants':>6} "
-        f"{'errors':>6} {'timeouts':>8} {'per grant':>9} {'p50 ms':>7} {'p99 ms':>7} {'release ms':>10} {'vs first':>8} {'WAL kB/grant':>12}"
+        f"{'errors':>6} {'timeouts':>8} {'per grant':>9} {'per s':>6} {'p50 ms':>7} {'p99 ms':>7} {'release ms':>10} {'vs first':>8} {'WAL kB/grant':>12}"
     )
     print(head)
     first: dict[str, float] = {}
@@ -572,7 +576,7 @@ def main() -> None:
             pool = str(size.pool) if v not in ADVISORIES else "-"
             print(
                 f"{size.label:>7} {size.shape:>8} {v:40} {pool:>4} {times.timeout:6.3g}s {times.seconds:5.3g}s {r['grants']:6d} "
-                f"{sum(r['errors'].values()):6d} {r['timeouts']:8d} {r['per_grant']:9.2f} {_fmt(r['p50'])} "
+                f"{sum(r['errors'].values()):6d} {r['timeouts']:8d} {_fmt(r['per_grant'], 9)} {r['per_second']:6.0f} {_fmt(r['p50'])} "
                 f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {_fmt(r['release'] / first[v])}x {_fmt(r['wal_kb'], 12)}"
             )
     for (label, v), r in results.items():
