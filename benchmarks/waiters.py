@@ -577,7 +577,7 @@ def main() -> None:
             print(
                 f"{size.label:>7} {size.shape:>8} {v:40} {pool:>4} {times.timeout:6.3g}s {times.seconds:5.3g}s {r['grants']:6d} "
                 f"{sum(r['errors'].values()):6d} {r['timeouts']:8d} {_fmt(r['per_grant'], 9)} {r['per_second']:6.0f} {_fmt(r['p50'])} "
-                f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {_fmt(r['release'] / first[v])}x {_fmt(r['wal_kb'], 12)}"
+                f"{_fmt(r['p99'])} {_fmt(r['release'], 10)} {_fmt(r['release'] / first[v], 7)}x {_fmt(r['wal_kb'], 12)}"
             )
     for (label, v), r in results.items():
         for message, n in r["errors"].items():
@@ -624,7 +624,7 @@ def main() -> None:
         if not on["stamping"]:
             print("  (c), (d): n/a: this dblock has no dblock._wait.Listener._dispatch to stamp")
     ratios = [
-        f"{size.label}: {results[(size.label, DBLOCK)]['p50'] / results[(size.label, ADVISORY)]['p50']:.1f}x"
+        f"{size.label}: {_fmt(results[(size.label, DBLOCK)]['p50'] / results[(size.label, ADVISORY)]['p50'], 0)}x"
         for size, vs in plan
         if DBLOCK in vs and ADVISORY in vs
     ]
@@ -634,7 +634,7 @@ def main() -> None:
         last = plan[-1][0].label
         print(
             f"dblock release p50 at {last} waiters / at {plan[0][0].label}: "
-            f"{results[(last, DBLOCK)]['release'] / first[DBLOCK]:.2f}x (target <= 1.5x at 1000 vs 12)"
+            f"{_fmt(results[(last, DBLOCK)]['release'] / first[DBLOCK], 0)}x (target <= 1.5x at 1000 vs 12)"
         )
     if server is not None:
         server.cleanup()
