@@ -1,7 +1,7 @@
 """Waiters at scale: many threads waiting for one name, dblock against pg_advisory_lock.
 
-    python benchmarks/waiters.py [--url postgresql://...] [--sizes 12,200,1000] [--seconds S]
-        [--rounds 2] [--hold 0.002] [--timeout S] [--variants dblock;pg_advisory_lock|all]
+    python benchmarks/waiters.py [--url postgresql://...] [--sizes 12,200,1000] [--settle S]
+        [--seconds S] [--rounds 2] [--hold 0.002] [--timeout S] [--variants dblock;pg_advisory_lock|all]
         [--breakdown 12|none] [--advisory-max N]
 
 A size is a number of waiting threads, spread over worker processes:
@@ -50,7 +50,8 @@ WAL flush (release p50 with the flush minus without it; and the server's mean
 WAL sync time from pg_stat_wal when ``track_wal_io_timing`` is on, as on the
 throwaway server), (c) notification delivery: release returns -> the
 waiter's listener thread dispatches the NOTIFY (``dblock._wait.Listener.
-_dispatch`` is wrapped in the workers to stamp it; n/a if it does not exist),
+_dispatch`` is wrapped in the workers to stamp it; n/a if it does not exist;
+negative when the listener hears it before the release call has returned),
 (d) thread wake-up: dispatch -> the waiting thread's acquire returns. Only
 hand-overs whose waiter was woken by a notification are split ("notified").
 
