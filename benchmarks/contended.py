@@ -64,7 +64,10 @@ class Counter:
             self.n += k
 
 
-def _dblock(args: argparse.Namespace, count: Counter) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
+def _dblock(
+    args: argparse.Namespace, count: Counter, options: dict[str, Any] | None = None
+) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
+    """``options``: the Locker's, instead of those of the variant named ``args.worker``."""
     from dblock import Locker, LockNotAcquired, _driver
 
     execute = _driver.Driver._execute
@@ -74,7 +77,7 @@ def _dblock(args: argparse.Namespace, count: Counter) -> tuple[Callable[[], Any]
         return execute(self, conn, sql, params)
 
     _driver.Driver._execute = counted  # type: ignore[method-assign]
-    locker = Locker(args.url, table=args.table, ttl=10, **DBLOCK_VARIANTS[args.worker])
+    locker = Locker(args.url, table=args.table, ttl=10, **(DBLOCK_VARIANTS[args.worker] if options is None else options))
 
     def acquire() -> Any:
         try:

@@ -18,6 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("fenced_write.py", ["--rounds", "1", "--writes", "3"]),
         ("contended.py", ["--processes", "2", "--threads", "2", "--attempts", "4", "--rounds", "1",
                           "--variants", "dblock;pg_advisory"]),
+        ("waiters.py", ["--sizes", "2x2,3x2/2", "--settle", "0.2", "--seconds", "0.5", "--rounds", "1", "--breakdown", "4"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
@@ -30,3 +31,20 @@ def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
     assert out.returncode == 0, out.stderr
     last = out.stdout.splitlines()[-1]
     assert "x" in last or "%" in last  # the last row carries its ratio, or its regrant share
+
+
+def test_waiters_benchmark_splits_the_hand_over(pg_url: str) -> None:
+    """The waiters benchmark prints a row per size and variant, and the hand-over breakdown."""
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "waiters.py"), "--url", pg_url, "--sizes", "2x2", "--settle", "0.2",
+         "--seconds", "0.5", "--rounds", "1", "--breakdown", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[4] for line in out.stdout.splitlines() if line.lstrip().startswith("4 ")}
+    assert {"dblock", "pg_advisory_lock"} <= rows, out.stdout
+    assert "where a hand-over goes, 4 waiters" in out.stdout, out.stdout
+    assert "(b): release p50" in out.stdout, out.stdout
+    assert "error x" not in out.stdout, out.stdout
