@@ -18,6 +18,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("fenced_write.py", ["--rounds", "1", "--writes", "3"]),
         ("contended.py", ["--processes", "2", "--threads", "2", "--attempts", "4", "--rounds", "1",
                           "--variants", "dblock;pg_advisory"]),
+        ("many_names.py", ["--names", "200", "--chunk", "50"]),
+        ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
