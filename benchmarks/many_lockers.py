@@ -105,7 +105,7 @@ def _usage() -> tuple[float, int]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from dblock import Lease, Locker, _driver
+    from dblock import DBLockError, Lease, Locker, _driver
 
     tally = Tally()
     execute = _driver.Driver._execute
@@ -134,8 +134,17 @@ def worker(args: argparse.Namespace) -> None:
     names = [f"p{args.proc}-{i}" for i in range(args.leases)]
     renewing = args.worker == VARIANTS[0]
     leases = []
+    not_taken = 0
+    # Every process has started (imports are the costly part) before any takes a
+    # lease, so the start-up of the last ones does not starve the renewals of the first.
+    print("loaded", flush=True)
+    assert sys.stdin.readline() == "go\n"
     for name in names:
-        lease = locker.try_acquire(name, renew=renewing)
+        try:
+            lease = locker.try_acquire(name, renew=renewing)
+        except DBLockError:  # the machine or the server is overloaded: say so in the table
+            not_taken += 1
+            continue
         if lease is None:
             raise SystemExit(f"{name} is held by someone else")
         leases.append(lease)
@@ -148,6 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     assert sys.stdin.readline() == "start\n"
     tally.on = True
+    lost_before = tally.lost if not renewing else sum(1 for lease in leases if lease.lost.is_set())
     cpu0, switches0 = _usage()
     assert sys.stdin.readline() == "stop\n"
     tally.on = False
@@ -166,7 +176,8 @@ def worker(args: argparse.Namespace) -> None:
     locker.close()
     json.dump(
         {
-            "statements": statements, "extends": extends, "failed": failed, "lost": lost,
+            "statements": statements, "extends": extends, "failed": failed, "lost": lost - lost_before,
+            "lost_before": lost_before, "not_taken": not_taken,
             "not_released": not_released, "cpu": cpu1 - cpu0, "switches": switches1 - switches0,
             "connections": connections, "threads": after["Threads"], "rss_kib": after["VmRSS"],
             "rss_before_kib": before["VmRSS"],
@@ -245,6 +256,20 @@ def find_postmaster(conn: Any) -> int | None:
 
 
 # -- the driver ------------------------------------------------------------------
+def _each_says(procs: list[subprocess.Popen[str]], word: str, failure: str) -> None:
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline() != word + "\n":
+            raise SystemExit(failure)
+
+
+def _tell(procs: list[subprocess.Popen[str]], word: str) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(word + "\n")
+        p.stdin.flush()
+
+
 def run_round(variant: str, args: argparse.Namespace, table: str, dsn: str, postmaster: int | None) -> dict[str, Any]:
     import psycopg
 
@@ -258,12 +283,16 @@ def run_round(variant: str, args: argparse.Namespace, table: str, dsn: str, post
         for p in range(args.processes)
     ]
     try:
-        for p in procs:
-            assert p.stdout is not None
-            if p.stdout.readline() != "ready\n":
-                raise SystemExit(f"a {variant} worker failed while taking its leases")
+        _each_says(procs, "loaded", f"a {variant} worker failed while starting")
+        loaded = time.monotonic() - t0
+        t0 = time.monotonic()
+        _tell(procs, "go")
+        _each_says(procs, "ready", f"a {variant} worker failed while taking its leases")
         ramp = time.monotonic() - t0
-        print(f"  {variant}: {args.processes} processes took their leases in {ramp:.1f} s", file=sys.stderr)
+        print(
+            f"  {variant}: {args.processes} processes started in {loaded:.1f} s, took their leases in {ramp:.1f} s",
+            file=sys.stderr,
+        )
         time.sleep(args.ttl / 3 + 1.0)  # warm-up: every lease extended once
         with psycopg.connect(dsn, autocommit=True) as mon:
             stats = "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
@@ -272,20 +301,14 @@ def run_round(variant: str, args: argparse.Namespace, table: str, dsn: str, post
             xact0 = mon.execute(stats).fetchone()[0]  # type: ignore[index]
             upd0 = int(mon.execute(upd, (table,)).fetchone()[0])  # type: ignore[index]
             start = time.monotonic()
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("start\n")
-                p.stdin.flush()
+            _tell(procs, "start")
             time.sleep(args.seconds)
             ticks1 = server_ticks(postmaster) if postmaster else 0
             wall = time.monotonic() - start
             # Busy sessions send their counters at most a second late, at both ends alike.
             xact1 = mon.execute(stats).fetchone()[0]  # type: ignore[index]
             upd1 = int(mon.execute(upd, (table,)).fetchone()[0])  # type: ignore[index]
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("stop\n")
-                p.stdin.flush()
+            _tell(procs, "stop")
             sessions = mon.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'"
             ).fetchone()[0]  # type: ignore[index]
@@ -326,6 +349,8 @@ def summarise(rounds: list[dict[str, Any]], cores: int) -> dict[str, Any]:
         "updates_s": sum(r["updates"] for r in rounds) / wall,
         "failed": failed,
         "lost": sum(o["lost"] for o in outs),
+        "lost_before": sum(o["lost_before"] for o in outs),
+        "not_taken": sum(o["not_taken"] for o in outs),
         "not_released": sum(o["not_released"] for o in outs),
         "late": sum(1 for late in lateness if late > LATE),
         "late_p50": statistics.median(lateness) if lateness else float("nan"),
@@ -443,8 +468,11 @@ def main() -> None:
             f"{r['threads']:7.0f} {r['rss_mib']:7.1f} {r['rss_before_mib']:13.1f} {r['ramp']:13.1f}"
         )
     for variant, r in results.items():
-        if r["failed"] or r["not_released"]:
-            print(f"{variant}: failed extends by error {r['failed']}, {r['not_released']} leases found gone at release")
+        if r["failed"] or r["not_released"] or r["lost_before"] or r["not_taken"]:
+            print(
+                f"{variant}: failed extends by error {r['failed']}; {r['not_taken']} leases not taken (the "
+                f"acquire failed), {r['lost_before']} lost before the window, {r['not_released']} found gone at release"
+            )
     print(f"whole run {time.monotonic() - started:.0f} s")
     if len(results) == 2:
         a, b = (results[v] for v in VARIANTS)
