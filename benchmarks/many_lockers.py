@@ -22,7 +22,9 @@ Per variant:
   transactions (``pg_stat_database.xact_commit`` delta: every lock statement
   is one autocommit transaction; the monitoring adds a handful);
 - extends failed (raised), lost (``lease.lost`` set by renewal; in the baseline,
-  an extend that matched no row), late (sent more than 1 s after due), and the
+  an extend due after the lease's trust ran out, ttl after the last extend was
+  sent, which dblock would call lost, or one that matched no row), late (sent
+  more than 1 s after due), and the
   lateness p50 / p99 / max; "due" is when a third of the lease's trusted time
   is used up, the moment dblock's renewal aims at;
 - server CPU: utime + stime from /proc of the postmaster and its children
@@ -197,13 +199,20 @@ def _one_thread(args: argparse.Namespace, leases: list[Any], sql: Any, tally: Ta
         # Due a third of the ttl after the grant was sent, as dblock's renewal.
         due = [(lease._trusted_until - 2 * interval, i) for i, lease in enumerate(leases)]
         heapq.heapify(due)
-        while not stop.is_set():
+        while due and not stop.is_set():
             when, i = due[0]
             if stop.wait(max(0.0, when - time.monotonic())):
                 break
             lease = leases[i]
             sent = time.monotonic()
             late = sent - when
+            if late >= 2 * interval:
+                # Its trust (ttl from the last extend's send) ran out before this
+                # extend: dblock's renewal would call it lost and stop. So do we.
+                tally.extend(late, False)
+                tally.lost += 1
+                heapq.heappop(due)
+                continue
             tally.statement()
             try:
                 rows = conn.execute(
@@ -213,10 +222,13 @@ def _one_thread(args: argparse.Namespace, leases: list[Any], sql: Any, tally: Ta
                 tally.extend(late, False, type(exc).__name__)
                 heapq.heapreplace(due, (time.monotonic() + interval / 3, i))
                 continue
-            if not rows:
-                tally.lost += 1
             tally.extend(late, bool(rows))
-            heapq.heapreplace(due, (sent + interval, i))
+            if rows:
+                heapq.heapreplace(due, (sent + interval, i))
+            else:  # taken over: never, as nobody else takes these names
+                tally.lost += 1
+                heapq.heappop(due)
+        stop.wait()
         for lease in leases:  # dblock's release statement, on this connection
             conn.execute(sql.release, {"name": lease.name, "owner": lease.owner, "token": lease.token})
 
