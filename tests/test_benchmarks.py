@@ -19,6 +19,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("contended.py", ["--processes", "2", "--threads", "2", "--attempts", "4", "--rounds", "1",
                           "--variants", "dblock;pg_advisory"]),
         ("waiters.py", ["--sizes", "2x2,3x2/2", "--settle", "0.2", "--seconds", "0.5", "--rounds", "1", "--breakdown", "4"]),
+        ("many_names.py", ["--names", "200", "--chunk", "50"]),
+        ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
