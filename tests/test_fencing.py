@@ -27,6 +27,7 @@ import dblock
 from dblock import FencedOut, LeaseLost, Locker, fence, fenced, fenced_read, fenced_update, fenced_upsert
 from dblock.schema import fences_table_name
 
+from .workers import run_together
 from .conftest import Db, wait_for
 from .fence_worker import counter_table
 
@@ -449,36 +450,13 @@ def write_locked(db: Db) -> bool:
 def _rmw(db: Db, counter: Counter, mode: str, processes: int = 3, threads: int = 3) -> tuple[int, int, int]:
     """The lost-update loop of issue 11 in ``processes`` x ``threads``: acquire (tiny TTL), read, pause
     0-8 ms, fenced write of read + 1, release. Returns (accepted writes, refused, takeovers seen)."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, RMW_WORKER, db.url, db.table, counter.name, "0.003", str(threads), "1.5", mode],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
-        for _ in range(processes)
-    ]
+    command = [sys.executable, RMW_WORKER, db.url, db.table, counter.name, "0.003", str(threads), "1.5", mode]
     accepted = refused = takeovers = 0
-    try:
-        for p in procs:  # every worker connected: start them together
-            assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        start_at = repr(time.monotonic() + 0.05)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(start_at + "\n")
-            p.stdin.flush()
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0
-            report = json.loads(out)
-            accepted += report["accepted"]
-            refused += report["refused"]
-            takeovers += report["takeovers"]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    for out in run_together([command] * processes, cwd=ROOT):
+        report = json.loads(out)
+        accepted += report["accepted"]
+        refused += report["refused"]
+        takeovers += report["takeovers"]
     return accepted, refused, takeovers
 
 

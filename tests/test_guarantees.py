@@ -17,6 +17,7 @@ import dblock
 from dblock import DBLockError, LeaseLost, Locker
 
 from .conftest import Db, wait_for
+from .workers import run_together
 
 HERE = Path(__file__).resolve().parent
 
@@ -116,33 +117,13 @@ def test_g1_g2_race_of_processes_and_threads(db: Db, mode: str) -> None:
     pair = (time.monotonic() - started) / 5
     ttl = "0.005" if mode == "try" else repr(min(0.5, max(0.01, 10 * pair)))
     duration = "3" if mode == "try" else "2"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "race_worker.py"), db.url, db.table, "hot", ttl, "4", duration, mode],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    grants: list[list[float]] = []
-    try:
-        for p in procs:  # every worker connected: start them together
-            assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        start_at = repr(time.monotonic() + 0.05)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(start_at + "\n")
-            p.stdin.flush()
-        for p in procs:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0
-            grants += json.loads(out)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    command = [sys.executable, str(HERE / "race_worker.py"), db.url, db.table, "hot", ttl, "4", duration, mode]
+    grants = [g for out in run_together([command] * 3) for g in json.loads(out)]
+    assert_race_was_safe(db, grants)
 
+
+def assert_race_was_safe(db: Db, grants: list[list[float]]) -> None:
+    """The race's checks: [token, received, trusted_until] per grant from the workers, and the audit."""
     tokens = [int(g[0]) for g in grants]
     audited = audited_grants(db)
     assert len(tokens) >= 100, f"only {len(tokens)} grants: the race did not race"

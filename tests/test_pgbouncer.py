@@ -11,7 +11,6 @@ parameters. ``Locker(prepare=False)`` sends every statement unprepared;
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from . import pgbouncer as bouncer
 from .conftest import Db, wait_for
 from .pgbouncer import PgBouncer
 from .test_fencing import Counter
-from .test_guarantees import audited_grants, install_audit, inversions
+from .test_guarantees import assert_race_was_safe, install_audit
+from .workers import run_together
 
 pytestmark = pytest.mark.pgbouncer
 
@@ -153,47 +153,11 @@ def test_g1_g2_race_with_fair_polling_behind_the_pooler(pg: Db, pgbouncer: PgBou
     pair = (time.monotonic() - started) / 5
     ttl = repr(min(0.5, max(0.01, 10 * pair)))
     before = pgbouncer.stats()["total_xact_count"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "race_worker.py"), pgbouncer.url, pg.table, "hot", ttl, "4", "2",
-             "fair-poll", json.dumps(POOLED)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    grants: list[list[float]] = []
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline() == "ready\n"
-        start_at = repr(time.monotonic() + 0.05)
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write(start_at + "\n")
-            p.stdin.flush()
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0 and err == "", err  # a thread's exception only reaches stderr
-            grants += json.loads(out)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
+    command = [sys.executable, str(HERE / "race_worker.py"), pgbouncer.url, pg.table, "hot", ttl, "4", "2",
+               "fair-poll", json.dumps(POOLED)]
+    grants = [g for out in run_together([command] * 3, quiet=True) for g in json.loads(out)]
+    assert_race_was_safe(pg, grants)
     tokens = [int(g[0]) for g in grants]
-    audited = audited_grants(pg)
-    assert len(tokens) >= 100, f"only {len(tokens)} grants: the race did not race"
-    assert inversions(audited) == [], "a grant got a token below an earlier grant's (G2)"
-    assert len(set(tokens)) == len(tokens), "a token was handed out twice"
-    assert set(tokens) <= set(audited)
-    windows = sorted((r, u, t) for t, r, u in grants if u > r)
-    latest_end, latest_token = -math.inf, None
-    for received, until, token in windows:
-        assert received >= latest_end - 1e-4, f"token {token} trusted while token {latest_token} still was"
-        if until > latest_end:
-            latest_end, latest_token = until, token
     assert pgbouncer.stats()["total_xact_count"] - before >= len(tokens), "the race did not go through pgbouncer"
 
 
