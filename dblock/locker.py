@@ -367,7 +367,9 @@ class Locker:
         if listener is not None:
             owner = listener.owner_id()  # hand-offs to it are notified on this listener's channel
             slot, ident = listener.register(owner, min(deadline, self._deadline()))
-        queued_at: float | None = None  # send time of the last attempt that queued us
+        # The last attempt that queued us: its send time (monotonic) and the database's time
+        # when it ran, which is no earlier: together they place database times on our clock.
+        queued_at: tuple[float, float] | None = None
         outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
         unsure = False  # an attempt went unanswered: it may have queued us or granted us the lease
         outage_delay = OUTAGE_RETRY_MIN
@@ -409,10 +411,10 @@ class Locker:
                     continue
                 if not rows:
                     continue  # a concurrent first acquire created the row just now: look again
-                granted, token, expires_at, wait, seq, ahead = rows[0]
+                granted, token, expires_at, wait, seq, ahead, at = rows[0]
                 if granted:
                     return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at)
-                queued_at = sent_at
+                queued_at = (sent_at, float(at))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -469,16 +471,29 @@ class Locker:
                 listener.unregister(owner)
 
     def _handed(
-        self, name: str, owner: str, ttl: float, token: int, expires_at: datetime, queued_at: float, deadline: float
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        token: int,
+        expires_at: datetime,
+        queued_at: tuple[float, float],
+        deadline: float,
     ) -> Lease | None:
         """A lease a release handed us, or None if it was lost before we woke.
 
-        It was granted after our last queueing attempt was sent, so that send
-        time + ttl is a safe start of trust (G5). If the wait ate half the ttl,
-        one extend renews it; if meanwhile it expired and someone else took it
-        over, the caller goes on waiting.
+        Trusted until its database expiry placed on our clock (G5): our last
+        queueing attempt was sent at ``sent`` and ran at database time ``at``,
+        a moment no earlier, so expiry ``E`` comes no earlier than
+        ``sent + (E - at)`` on our clock (the two clocks running at the same
+        rate, as G5 assumes). The hand-off came after that attempt, so this is
+        at least ``sent + ttl``; it does not age while we sleep far back in the
+        line. If little of the ttl is left, one extend renews it; if meanwhile
+        it expired and someone else took it over, the caller goes on waiting.
         """
-        lease = Lease(self, name, owner, token, expires_at, ttl, queued_at)
+        sent, at = queued_at
+        until = sent + (expires_at.timestamp() - at)
+        lease = Lease(self, name, owner, token, expires_at, ttl, min(until, time.monotonic() + ttl) - ttl)
         if lease.remaining() < ttl / 2:
             try:
                 self._extend(lease, None, self._bound(deadline))

@@ -326,6 +326,27 @@ def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_
     assert (expires_at - sent).total_seconds() >= 2, "the handed lease expires before the waiter stops trusting it"
 
 
+def test_a_handed_lease_is_trusted_from_the_hand_off_not_from_the_last_look(pg: Db) -> None:
+    """A waiter far back looks rarely; its lease, handed over later, is trusted from the database's
+    hand-off (its expiry placed on the waiter's clock through its last look), not aged by that look:
+    no extend is needed, and the trust still ends no later than the database's expiry (G5)."""
+    holder = pg.locker()
+    held = holder.try_acquire("aged", ttl=60)
+    assert held is not None
+    waiter = pg.locker(**SLOW)  # no look between joining and the hand-off
+    sent = count_statements(waiter)
+    t, out = in_thread(lambda: waiter.acquire("aged", ttl=2, timeout=30))
+    wait_for(lambda: len(queue(pg, "aged")) == 1, what="the waiter to queue")
+    time.sleep(1.5)  # the last look is now 1.5 s old: most of a 2 s ttl
+    assert held.release() is True
+    lease = joined(t, out)
+    trusted = lease.remaining()
+    [(left,)] = pg.query(f"SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM {pg.table} WHERE name = 'aged'")
+    assert trusted <= float(left) + 0.005, "trusted past the database's expiry"
+    assert trusted > 1.0, f"only {trusted:.3f} s of 2 trusted: the hand-off was aged by the last look"
+    assert waiter._sql.extend not in sent
+
+
 @pytest.mark.parametrize("verb", ["extend", "retry"])
 def test_a_late_statement_never_shortens_a_lease(pg: Db, verb: str) -> None:
     """G5 against late statements: PostgreSQL computes an UPDATE's new values before it waits

@@ -124,13 +124,15 @@ def _functions(table: str, schema: str | None) -> list[str]:
     PERFORM pg_notify('dblock_' || left(v.owner, 16), v.owner || ' ' || g.token || ' ' || extract(epoch FROM g.expires_at));"""
     return [
         # enqueue: a waiting acquire's attempt (see dblock/statements.py for the call).
-        # Returns one row (granted, token, expires_at, wait, seq, ahead): granted, or
-        # queued as ``seq`` with ``ahead`` waiters before it (counted up to 100) and
-        # the current lease ending in ``wait`` seconds.
+        # Returns one row (granted, token, expires_at, wait, seq, ahead, at): granted, or
+        # queued as ``seq`` with ``ahead`` waiters before it (counted up to 100), the
+        # current lease ending in ``wait`` seconds, and ``at`` the database time of
+        # this look (epoch seconds; no earlier than the client sent it).
         f"""
 CREATE FUNCTION {enqueue}(p_name text, p_owner text, p_ttl float8, p_label text, p_proc text, p_lapse float8,
                           p_pid int, p_start timestamptz, p_until float8, p_seq bigint)
-RETURNS TABLE (granted boolean, token bigint, expires_at timestamptz, wait float8, seq bigint, ahead int)
+RETURNS TABLE (granted boolean, token bigint, expires_at timestamptz, wait float8, seq bigint, ahead int,
+               at float8)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -151,14 +153,15 @@ BEGIN
         ON CONFLICT (name) DO NOTHING
         RETURNING k.token, k.expires_at INTO l;
         IF FOUND THEN
-            RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0;
+            RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0, NULL::float8;
             RETURN;
         END IF;
     ELSIF me IS NOT NULL AND l.owner <> p_owner AND l.expires_at > now()
           AND EXISTS (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq = me) THEN
         RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz,
             extract(epoch FROM l.expires_at - now())::float8, me,
-            (SELECT count(*)::int FROM (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq < me LIMIT 100) AS a);
+            (SELECT count(*)::int FROM (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq < me LIMIT 100) AS a),
+            extract(epoch FROM now())::float8;
         RETURN;
     END IF;
     -- Under the row's lock: every statement from here on sees what committed before.
@@ -169,7 +172,7 @@ BEGIN
         -- (never shortened: a cut-off call of ours may land after a later one).
         UPDATE {t} AS k SET expires_at = greatest(k.expires_at, clock_timestamp() + p_ttl {ttl}) WHERE k.name = p_name
         RETURNING k.token, k.expires_at INTO l;
-        RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0;
+        RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0, NULL::float8;
         RETURN;
     END IF;
     IF l.owner IS NULL OR l.expires_at <= now() THEN
@@ -192,7 +195,7 @@ BEGIN
             UPDATE {t} AS k SET owner = p_owner, token = nextval('{seq}'), acquired_at = now(),
                 expires_at = clock_timestamp() + p_ttl {ttl}, label = p_label, waiting = k.waiting - dropped
             WHERE k.name = p_name RETURNING k.token, k.expires_at INTO l;
-            RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0;
+            RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0, NULL::float8;
             RETURN;
         END IF;
         -- A live waiter is first, but asleep (its holder's lease ran out unreleased):
@@ -221,7 +224,8 @@ BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz,
         extract(epoch FROM l.expires_at - now())::float8, me,
-        (SELECT count(*)::int FROM (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq < me LIMIT 100) AS a);
+        (SELECT count(*)::int FROM (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq < me LIMIT 100) AS a),
+            extract(epoch FROM now())::float8;
 END $$""",
         # handoff: a release when waiters are queued. Returns one row (token, notified)
         # when owner's lease with that token ended; zero rows: it was not ours (G3).
