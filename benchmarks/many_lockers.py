@@ -9,10 +9,11 @@ renewal thread, which extends it every ttl/3 (on a helper thread per extend,
 which bounds the extend by the lease's trust). "one thread per process", the
 baseline: the same leases taken with dblock, then extended with dblock's own
 extend statement, by one thread per process on one raw psycopg connection,
-each lease when it is due (ttl/3 after its last extend was sent). Both run
-after a warm-up of one renewal interval, so every lease has been extended once
-(connections open, statements prepared) before the measured --seconds start.
-With --rounds > 1 the variants alternate, each round --seconds long.
+each lease when it is due (ttl/3 after its last extend was sent). Every
+process starts (imports, Locker) before any takes a lease, and every lease is
+extended once (a warm-up of one renewal interval: connections open,
+statements prepared) before the measured --seconds start. With --rounds > 1
+the variants alternate, each round --seconds long.
 
 Per variant:
 
@@ -21,12 +22,13 @@ Per variant:
   baseline counts its own), and, server-side, the database's committed
   transactions (``pg_stat_database.xact_commit`` delta: every lock statement
   is one autocommit transaction; the monitoring adds a handful);
-- extends failed (raised), lost (``lease.lost`` set by renewal; in the baseline,
-  an extend due after the lease's trust ran out, ttl after the last extend was
-  sent, which dblock would call lost, or one that matched no row), late (sent
-  more than 1 s after due), and the
-  lateness p50 / p99 / max; "due" is when a third of the lease's trusted time
-  is used up, the moment dblock's renewal aims at;
+- extends/s: attempts, failed ones included; extends failed (raised), lost
+  (``lease.lost`` set by renewal; in the baseline, an extend due after the
+  lease's trust ran out, ttl after the last extend was sent, which dblock
+  would call lost, or one that matched no row), late (sent more than 1 s after
+  due), and the lateness p50 / p99 / max; "due" is when a third of the lease's
+  trusted time is used up, the moment dblock's renewal aims at (a dblock lease
+  whose trust ran out shows as 2 ttl/3 late);
 - server CPU: utime + stime from /proc of the postmaster and its children
   (sessions, WAL writer, checkpointer, autovacuum...), the postmaster's
   cutime + cstime counting children that ended, over the window, as a share
