@@ -4,9 +4,9 @@
         [--seconds 60] [--ttl 15] [--max-connections N] [--variants dblock;one-thread] [--rounds 1]
 
 "dblock renew=True": each process makes one Locker and takes its L leases
-with ``try_acquire(name, ttl=--ttl, renew=True)``, so each lease has its own
-renewal thread, which extends it every ttl/3 (on a helper thread per extend,
-which bounds the extend by the lease's trust). "one thread per process", the
+with ``try_acquire(name, ttl=--ttl, renew=True)``: the Locker's one renewal
+thread extends each lease every ttl/3, the leases due together in one
+statement, sent on a worker thread and bounded by the leases' trust. "one thread per process", the
 baseline: the same leases taken with dblock, then extended with dblock's own
 extend statement, by one thread per process on one raw psycopg connection,
 each lease when it is due (ttl/3 after its last extend was sent). Every
@@ -119,19 +119,23 @@ def worker(args: argparse.Namespace) -> None:
         return execute(self, conn, sql, params)
 
     _driver.Driver._execute = counted  # type: ignore[method-assign]
-    extend = Lease.extend
+    extend_many = Locker._extend_many
 
-    def timed_extend(lease: Lease, ttl: float | None = None) -> None:
+    def timed_extend_many(locker: Any, leases: list[Lease], deadline: float) -> list[Lease]:
         # dblock's renewal is due when two thirds of the trusted time are left.
-        late = 2 * lease.ttl / 3 - lease.remaining()
+        late = [2 * lease.ttl / 3 - lease.remaining() for lease in leases]
         try:
-            extend(lease, ttl)
+            missing = extend_many(locker, leases, deadline)
         except Exception as exc:
-            tally.extend(late, False, type(exc).__name__)
+            for x in late:
+                tally.extend(x, False, type(exc).__name__)
             raise
-        tally.extend(late, True)
+        gone = {id(lease) for lease in missing}
+        for lease, x in zip(leases, late):
+            tally.extend(x, id(lease) not in gone)
+        return missing
 
-    Lease.extend = timed_extend  # type: ignore[method-assign,assignment]
+    Locker._extend_many = timed_extend_many  # type: ignore[method-assign]
 
     before = _status()
     locker = Locker(args.url, table=args.table, ttl=args.ttl, max_connections=args.max_connections)

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import LeaseLost
-from .renew import OnLost, Renewal
+from .renew import OnLost
 
 if TYPE_CHECKING:
     from .locker import Locker
@@ -45,7 +45,7 @@ class Lease:
 
     __slots__ = (
         "_locker", "name", "owner", "token", "expires_at", "ttl", "lost",
-        "_trusted_until", "_released", "_renewal", "_on_lost", "__weakref__",
+        "_trusted_until", "_released", "_renewal", "__weakref__",
     )
 
     def __init__(
@@ -69,8 +69,7 @@ class Lease:
         self._trusted_until = sent_at + ttl
         self._released = False
         self.lost = threading.Event()
-        self._renewal: Renewal | None = None
-        self._on_lost: OnLost | None = None
+        self._renewal: object | None = None  # its place in the Locker's renewal schedule
 
     def remaining(self) -> float:
         """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
@@ -91,18 +90,22 @@ class Lease:
 
     def release(self) -> bool:
         """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
-        if self._renewal is not None:
-            self._renewal.stop()
-        return self._locker._release(self)
+        try:
+            return self._locker._release(self)
+        finally:
+            if self._renewal is not None:
+                self._locker._renewer.drop(self._renewal)  # type: ignore[arg-type]
 
     def start_renewal(self, on_lost: OnLost | None = None) -> None:
-        """Extend this lease every ttl/3 on a thread of its own until it is released or lost.
+        """Extend this lease every ttl/3 until it is released or lost.
 
-        The thread holds only a weak reference: it also ends when the lease is
-        garbage-collected. If an extend finds the lease taken over, or the
-        database does not answer before ``remaining()`` runs out, ``lost`` is
-        set, ``remaining()`` returns 0 and ``on_lost(lease)`` runs on the
-        renewal thread. Stop your work there: the lock no longer protects it.
+        The Locker's renewal thread does it (one for all its leases, sending
+        the extends that fall due together as one statement), and holds only a
+        weak reference: renewal also stops when the lease is garbage-collected.
+        If an extend finds the lease taken over, or the database does not
+        answer before ``remaining()`` runs out, ``lost`` is set, ``remaining()``
+        returns 0 and ``on_lost(lease)`` runs on a thread of its own. Stop your
+        work there: the lock no longer protects it.
         """
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
@@ -110,8 +113,7 @@ class Lease:
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
         if self._renewal is not None:
             raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
-        self._on_lost = on_lost
-        self._renewal = Renewal(self)
+        self._renewal = self._locker._renewer.add(self, on_lost)
 
     def _extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
         self.expires_at = expires_at
@@ -123,7 +125,7 @@ class Lease:
         # gave up waiting) must not make the caller trust the lease again.
         self.lost.set()
         if self._renewal is not None:
-            self._renewal.stop()
+            self._locker._renewer.drop(self._renewal)  # type: ignore[arg-type]
 
     def __enter__(self) -> Lease:
         return self

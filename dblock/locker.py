@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -30,7 +31,7 @@ from ._wait import Heartbeat, Hotspot, Listener
 from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
 from .lease import Lease, LeaseInfo
-from .renew import OnLost
+from .renew import OnLost, Renewer
 from .schema import DEFAULT_TABLE, LABEL_LENGTH, prepare_default_sqlite_path
 
 log = logging.getLogger("dblock.acquire")
@@ -137,6 +138,9 @@ class Locker:
         # A waiter is skipped once its process's row is older than lapse: 4 beats missed, and a second.
         self._lapse = 4 * self.poll_max + 1.0
         self._heartbeat = Heartbeat(self._beat, self.poll_max) if self._queued else None
+        # One renewal thread for all of this Locker's renewing leases; their
+        # extends go out in batches, on at most size - 1 connections.
+        self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
         self._proc = ("", -1)  # (liveness id, pid it was made in)
         self._migrated = threading.Lock()
         self._default_label = ("", -1)  # (label, pid it was made in)
@@ -603,6 +607,34 @@ class Locker:
                 lease._lose()
             raise LeaseLost(f"lease on {lease.name!r} (token {lease.token}) was released or taken over; not extended")
         lease._extended(_when(rows[0][0]), ttl, sent_at)
+
+    def _extend_many(self, leases: list[Lease], deadline: float) -> list[Lease]:
+        """Renewal's extend: ``leases`` by their own ttl in one statement; returns those not extended.
+
+        A background statement (``waiting``): however many leases renew, it
+        leaves a connection of the pool for releases and other calls.
+        """
+        leases = sorted(leases, key=lambda lease: lease.name)  # row locks in one order
+        if self._sql.dialect == "postgresql":
+            params: dict[str, Any] = {
+                "names": [lease.name for lease in leases],
+                "owners": [lease.owner for lease in leases],
+                "tokens": [lease.token for lease in leases],
+                "ttls": [lease.ttl for lease in leases],
+            }
+        else:
+            params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in leases])}
+        sent_at = time.monotonic()
+        rows = self._driver.run(self._sql.extend_many, params, deadline=deadline, waiting=True).rows
+        expiries = {(name, token): expires_at for name, token, expires_at in rows}
+        missing = []
+        for lease in leases:
+            expires_at = expiries.get((lease.name, lease.token))
+            if expires_at is None:
+                missing.append(lease)
+            else:
+                lease._extended(_when(expires_at), lease.ttl, sent_at)
+        return missing
 
     def _exit(self, lease: Lease, failing: bool) -> None:
         released_before = lease._released

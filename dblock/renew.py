@@ -1,17 +1,36 @@
-"""Automatic renewal: extend a lease every ttl/3 on a thread of its own.
+"""Automatic renewal: one thread per Locker extends all its renewing leases, in batches.
 
-The thread holds only a weak reference to its lease, sleeps on an Event, and
-ends when the lease is released, lost or garbage-collected. When an extend
-finds the lease taken over, or the database does not answer before the
-lease's trusted time (``lease.remaining()``) runs out, the lease is marked
-lost (``lease.lost`` is set, ``remaining()`` returns 0) and its ``on_lost``
-callback runs on this thread.
+A lease is extended when a third of its trusted time is used up (every ttl/3
+while the database answers). The scheduler thread keeps the renewing leases by
+weak reference in a heap ordered by the moment each next needs attention: when
+it is due, or, while its extend is in flight, when its trust runs out. It does
+no I/O itself. The leases due now, with those due within a sixth of their ttl,
+go out as one statement (``Locker._extend_many``) on a worker thread, bounded
+by the driver's deadline: at most ``op_timeout``, never past the trust of the
+batch's least trusted lease. So a database that hangs cannot keep the
+scheduler from noticing a lease's trust run out, and a Locker renewing a
+hundred leases sends about one statement per round instead of running a
+hundred threads. Leases extended together are due together again, so batches
+form by themselves.
+
+A lease is lost when an extend finds it taken over (or released by force), or
+when its trusted time (``lease.remaining()``) runs out before an extend
+confirms it; failures in between (a refused connection, a statement cut off)
+are retried while it is trusted. When lost, ``lease.lost`` is set,
+``remaining()`` returns 0 and ``on_lost(lease)`` runs on a thread of its own,
+so a slow callback delays nobody's renewal. A lease that is released, lost or
+garbage-collected leaves the heap at its next turn; the threads end when no
+lease is left to renew.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -23,79 +42,235 @@ if TYPE_CHECKING:
 log = logging.getLogger("dblock.renew")
 
 OnLost = Callable[["Lease"], object]
+ExtendMany = Callable[[list["Lease"], float], list["Lease"]]
 
 # After a failed extend, retry this many times per renewal interval.
 _RETRIES_PER_INTERVAL = 3
+# A lease due within this share of its ttl joins the batch going out now.
+_EARLY = 1 / 6
+# At most this many leases per statement.
+BATCH_MAX = 500
+# Threads with nothing to do end after this many seconds.
+LINGER = 5.0
 
 
-class Renewal:
-    """A lease's handle on its renewal thread."""
+class _Entry:
+    """A renewing lease's place in the schedule."""
 
-    __slots__ = ("_stop", "thread")
+    __slots__ = ("ref", "ttl", "wake", "busy", "done", "on_lost")
 
-    def __init__(self, lease: Lease) -> None:
-        stop = self._stop = threading.Event()
-        # The callback wakes the thread when the lease is collected; it must
-        # not close over the lease (or self) to keep the reference weak.
-        ref = weakref.ref(lease, lambda _: stop.set())
-        self.thread = threading.Thread(
-            target=_renew,
-            args=(ref, stop),
-            name=f"dblock-renew {lease.name!r} token={lease.token} owner={lease.owner[:8]}",
-            daemon=True,
-        )
-        self.thread.start()
-
-    def stop(self) -> None:
-        """Ask the thread to end; it does at its next wake-up, without waiting for an extend in flight."""
-        self._stop.set()
+    def __init__(self, lease: Lease, on_lost: OnLost | None) -> None:
+        self.ref = weakref.ref(lease)
+        self.ttl = lease.ttl
+        self.wake = 0.0  # monotonic time of its live heap item
+        self.busy = False  # an extend of it is in flight
+        self.done = False  # left the schedule
+        self.on_lost = on_lost
 
 
-def _renew(ref: weakref.ref[Lease], stop: threading.Event) -> None:
-    lease = ref()
-    if lease is None:
-        return
-    wait: float | None = _until_due(lease)
-    del lease  # hold no strong reference while asleep
-    while wait is not None and not stop.wait(wait):
-        lease = ref()
-        if lease is None:
+class Renewer:
+    """A Locker's renewal: one scheduler thread, and up to ``workers`` threads sending extends."""
+
+    def __init__(self, extend_many: ExtendMany, op_timeout: float, workers: int) -> None:
+        self._extend_many = extend_many
+        self._op_timeout = op_timeout
+        self._max_workers = workers
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # the scheduler waits here
+        self._work = threading.Condition(self._lock)  # idle workers wait here
+        self._heap: list[tuple[float, int, _Entry]] = []
+        self._count = itertools.count()
+        self._live = 0  # entries not done
+        self._jobs: list[list[_Entry]] = []
+        self._idle = 0
+        self._workers = 0
+        self._scheduler: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    # -- the lease's side ----------------------------------------------------
+    def add(self, lease: Lease, on_lost: OnLost | None) -> _Entry:
+        if self._pid != os.getpid():
+            # Forked: the parent's threads are not here, and its leases are not ours to renew.
+            self._reset()
+        entry = _Entry(lease, on_lost)
+        with self._lock:
+            self._live += 1
+            self._push(entry, time.monotonic() + _until_due(lease))
+            if self._scheduler is None:
+                self._scheduler = threading.Thread(target=self._schedule, name="dblock-renew", daemon=True)
+                self._scheduler.start()
+            else:
+                self._wake.notify()
+        return entry
+
+    def drop(self, entry: _Entry) -> None:
+        """The lease ended (released or lost): take it out of the schedule now."""
+        if self._pid != os.getpid():
             return
-        wait = _step(lease)
-        del lease
-    log.debug("renewal thread ends")
+        with self._lock:
+            self._leave(entry)
+            self._wake.notify()
+
+    def renewing(self) -> int:
+        """How many leases this Locker renews now."""
+        with self._lock:
+            return self._live if self._pid == os.getpid() else 0
+
+    # -- bookkeeping, under the lock ---------------------------------------------
+    def _push(self, entry: _Entry, when: float) -> None:
+        entry.wake = when
+        heapq.heappush(self._heap, (when, next(self._count), entry))
+
+    def _leave(self, entry: _Entry) -> None:
+        if not entry.done:
+            entry.done = True
+            self._live -= 1
+
+    # -- the scheduler thread ------------------------------------------------------
+    def _schedule(self) -> None:
+        pid = self._pid
+        lost: list[tuple[_Entry, str]] = []
+        while True:
+            _report(lost)
+            with self._lock:
+                if self._pid != pid:
+                    return
+                now = time.monotonic()
+                lost = []
+                batch = self._take(now, lost)
+                if batch:
+                    self._jobs.append(batch)
+                    if self._idle < len(self._jobs) and self._workers < self._max_workers:
+                        self._workers += 1
+                        threading.Thread(target=self._send, name="dblock-extend", daemon=True).start()
+                    else:
+                        self._work.notify()
+                if lost:
+                    continue
+                if self._heap:
+                    self._wake.wait(self._heap[0][0] - now)
+                elif not self._wake.wait(LINGER) and not self._heap:
+                    self._scheduler = None
+                    return
+
+    def _take(self, now: float, lost: list[tuple[_Entry, str]]) -> list[_Entry]:
+        """The entries to extend now; those whose trust ran out go to ``lost``."""
+        batch: list[_Entry] = []
+        heap = self._heap
+        while heap and len(batch) < BATCH_MAX:
+            when, _, entry = heap[0]
+            if entry.done or when != entry.wake:
+                heapq.heappop(heap)  # a stale item
+                continue
+            if when > now and (not batch or entry.busy or when > now + entry.ttl * _EARLY):
+                break  # not due yet (nor due soon enough to join the batch going out)
+            heapq.heappop(heap)
+            lease = entry.ref()
+            if lease is None or lease._released or lease.lost.is_set():
+                self._leave(entry)
+                continue
+            left = lease._trusted_until - now
+            if left <= 0:
+                self._leave(entry)
+                lost.append((entry, "the database did not answer before its trusted time ran out" if entry.busy
+                             else "its trusted time ran out before it could be extended"))
+            else:
+                # Extend it now (unless it is in flight already), and look again when its trust would end.
+                if not entry.busy:
+                    entry.busy = True
+                    batch.append(entry)
+                self._push(entry, now + left)
+        return batch
+
+    # -- the worker threads --------------------------------------------------------
+    def _send(self) -> None:
+        pid = self._pid
+        while True:
+            with self._lock:
+                while not self._jobs:
+                    self._idle += 1
+                    woken = self._work.wait(LINGER)
+                    self._idle -= 1
+                    if self._pid != pid:
+                        return
+                    if not woken and not self._jobs:
+                        self._workers -= 1
+                        return
+                job = self._jobs.pop(0)
+            outcome = self._extend(job)
+            lost = []
+            with self._lock:
+                for entry, when, why in outcome:
+                    entry.busy = False
+                    if entry.done:
+                        continue
+                    if when is None:
+                        self._leave(entry)
+                        if why:
+                            lost.append((entry, why))
+                    else:
+                        self._push(entry, when)
+                self._wake.notify()
+            _report(lost)
+
+    def _extend(self, job: list[_Entry]) -> list[tuple[_Entry, float | None, str]]:
+        """Send one batch. Per entry: when it next needs a turn; or None, and why it is lost ("": it ended)."""
+        now = time.monotonic()
+        out: list[tuple[_Entry, float | None, str]] = []
+        leases: list[Lease] = []
+        entries: list[_Entry] = []
+        for entry in job:
+            lease = entry.ref()
+            if lease is None or lease._released or lease.lost.is_set():
+                out.append((entry, None, ""))
+            elif lease._trusted_until <= now:
+                out.append((entry, None, "its trusted time ran out before it could be extended"))
+            else:
+                leases.append(lease)
+                entries.append(entry)
+        if not leases:
+            return out
+        deadline = min(now + self._op_timeout, min(lease._trusted_until for lease in leases))
+        error: Exception | None = None
+        missing: list[Lease] = []
+        try:
+            missing = self._extend_many(leases, deadline)
+        except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: retry while trusted
+            error = exc
+        now = time.monotonic()
+        gone = {id(lease) for lease in missing}
+        retrying = 0
+        for lease, entry in zip(leases, entries):
+            left = lease._trusted_until - now
+            if lease._released:
+                out.append((entry, None, ""))  # a release raced the extend: not a loss
+            elif id(lease) in gone:
+                out.append((entry, None, "it was released or taken over by another owner"))
+            elif error is None:
+                out.append((entry, now + _until_due(lease), ""))
+            elif left <= 0:
+                out.append((entry, None, f"the database stayed unreachable until its trusted time ran out ({error})"))
+            else:
+                retrying += 1
+                out.append((entry, now + min(lease.ttl / 3 / _RETRIES_PER_INTERVAL, left), ""))
+        if retrying:
+            log.warning(
+                "could not extend %d lease(s) (the first %r, token %s): %s; retrying while they are trusted",
+                retrying, leases[0].name, leases[0].token, error,
+            )
+        else:
+            log.debug("extended %d lease(s)", len(leases) - len(missing))
+        return out
 
 
-def _step(lease: Lease) -> float | None:
-    """One renewal: the seconds until the next one, or None when the thread should end."""
-    interval = lease.ttl / 3
-    trusted = lease.remaining()
-    if trusted <= 0:
-        _lose(lease, "its trusted time ran out before it could be extended")
-        return None
-    # The extend runs on a helper thread so that a database that hangs (not
-    # refusing, just silent) cannot keep us from noticing the trust run out.
-    try:
-        call_within(lease.extend, trusted, f"dblock-extend {lease.name!r}")
-    except Overdue:
-        _lose(lease, f"the database did not answer within the {trusted:.3g} s the lease was still trusted")
-        return None
-    except LeaseLost:
-        _lose(lease, "it was released or taken over by another owner")
-        return None
-    except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: retry while trusted
-        left = lease.remaining()
-        if left <= 0:
-            _lose(lease, f"the database stayed unreachable until its trusted time ran out ({exc})")
-            return None
-        retry = min(interval / _RETRIES_PER_INTERVAL, left)
-        log.warning(
-            "could not extend lease on %r (token %s): %s; retrying in %.3g s (%.3g s of trust left)",
-            lease.name, lease.token, exc, retry, left,
-        )
-        return retry
-    log.debug("extended %r token=%s", lease.name, lease.token)
-    return _until_due(lease)
+def _report(lost: list[tuple[_Entry, str]]) -> None:
+    for entry, why in lost:
+        lease = entry.ref()
+        if lease is not None:
+            _lose(lease, entry.on_lost, why)
 
 
 def _until_due(lease: Lease) -> float:
@@ -108,17 +283,22 @@ def _until_due(lease: Lease) -> float:
     return min(ttl / 3, max(ttl / 30, lease.remaining() - 2 * ttl / 3))
 
 
-def _lose(lease: Lease, why: str) -> None:
-    if lease._released:
+def _lose(lease: Lease, on_lost: OnLost | None, why: str) -> None:
+    if lease._released or lease.lost.is_set():
         return  # released meanwhile: the extend that raced the release found nothing, as it should
     lease._lose()
     log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
-    on_lost = lease._on_lost
     if on_lost is not None:
-        try:
-            on_lost(lease)
-        except Exception:  # the callback is the application's; report, don't die silently
-            log.exception("on_lost callback for %r raised", lease.name)
+        threading.Thread(
+            target=_call_on_lost, args=(on_lost, lease), name=f"dblock-on-lost {lease.name!r}", daemon=True
+        ).start()
+
+
+def _call_on_lost(on_lost: OnLost, lease: Lease) -> None:
+    try:
+        on_lost(lease)
+    except Exception:  # the callback is the application's; report, don't die silently
+        log.exception("on_lost callback for %r raised", lease.name)
 
 
 T = TypeVar("T")
@@ -151,3 +331,6 @@ def call_within(call: Callable[[], T], timeout: float, name: str) -> T:
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
+
+
+__all__ = ["LeaseLost", "OnLost", "Renewer", "call_within", "Overdue"]

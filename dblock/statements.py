@@ -22,6 +22,7 @@ class Statements:
     release: str
     released: str
     extend: str
+    extend_many: str  # renewal: many leases in one statement
     leases: str
     prune: str
     prune_lock: str | None  # runs before prune, in its transaction
@@ -132,6 +133,17 @@ SELECT token FROM {t} WHERE name = %(name)s AND token = %(token)s AND owner IS N
 UPDATE {t} SET expires_at = greatest(expires_at, {ttl})
 WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
 RETURNING expires_at"""
+    # extend_many (renewal: the leases due now, in one statement)
+    # binds: names, owners, tokens, ttls: arrays of one length, a lease each
+    #   (sorted by name, so concurrent batches take row locks in one order)
+    # returns a row (name, token, expires_at) per lease extended, with the same
+    #   contract as extend; a lease with no row was released or taken over.
+    extend_many = f"""
+UPDATE {t} AS l SET expires_at = greatest(l.expires_at, clock_timestamp() + b.ttl * interval '1 second')
+FROM unnest(%(names)s::text[], %(owners)s::text[], %(tokens)s::bigint[], %(ttls)s::float8[])
+    AS b(name, owner, token, ttl)
+WHERE l.name = b.name AND l.owner = b.owner AND l.token = b.token
+RETURNING l.name, l.token, l.expires_at"""
     # leases
     # binds: none
     # returns a row per unexpired lease: name, owner, token, acquired_at,
@@ -193,7 +205,7 @@ WITH b AS (
 )
 SELECT set_config('synchronous_commit', 'off', true) FROM b"""
     return Statements(
-        "postgresql", acquire, None, release, released, extend, leases, prune, prune_lock, enqueue, cancel,
+        "postgresql", acquire, None, release, released, extend, extend_many, leases, prune, prune_lock, enqueue, cancel,
         beat=beat,
     )
 
@@ -242,6 +254,16 @@ RETURNING token"""
 UPDATE {t} SET expires_at = {_EXPIRES}
 WHERE name = :name AND owner = :owner AND token = :token
 RETURNING expires_at"""
+    # binds: batch, a JSON array of [name, owner, token, ttl] arrays.
+    extend_many = f"""
+UPDATE {t} SET expires_at = {_NOW} + b.ttl + 0.002
+FROM (
+    SELECT json_extract(value, '$[0]') AS b_name, json_extract(value, '$[1]') AS b_owner,
+           json_extract(value, '$[2]') AS b_token, json_extract(value, '$[3]') AS ttl
+    FROM json_each(:batch)
+) AS b
+WHERE name = b.b_name AND owner = b.b_owner AND token = b.b_token
+RETURNING name, token, expires_at"""
     leases = f"""
 SELECT name, owner, token, acquired_at, expires_at, expires_at - {_NOW}, label
 FROM {t} WHERE owner IS NOT NULL AND expires_at > {_NOW}
@@ -256,4 +278,4 @@ RETURNING name"""
     # binds: name, owner
     # returns one row (token) when owner holds the name; zero rows: it does not.
     owned = f"SELECT token FROM {t} WHERE name = :name AND owner = :owner"
-    return Statements("sqlite", acquire, holder, release, released, extend, leases, prune, None, owned=owned)
+    return Statements("sqlite", acquire, holder, release, released, extend, extend_many, leases, prune, None, owned=owned)

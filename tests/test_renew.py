@@ -17,8 +17,17 @@ from .conftest import Db, wait_for
 from .pgproxy import PgProxy
 
 
-def renewal_threads(lease: Lease) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == f"dblock-renew {lease.name!r} token={lease.token} owner={lease.owner[:8]}"]
+def renewal_thread(locker: Locker) -> threading.Thread:
+    """The Locker's one renewal (scheduler) thread, whatever the number of leases it renews."""
+    thread = locker._renewer._scheduler
+    assert thread is not None and thread.is_alive()
+    return thread
+
+
+@pytest.fixture
+def short_linger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewal's idle threads end after 0.2 s instead of 5 s."""
+    monkeypatch.setattr("dblock.renew.LINGER", 0.2)
 
 
 def held_for(db: Db, name: str) -> float:
@@ -32,7 +41,7 @@ def test_renewal_keeps_a_short_lease_held(db: Db) -> None:
     locker, other = db.locker(), db.locker()
     # 0.5 s: renewed every 0.17 s, it survives a 0.33 s stall of a busy machine.
     lease = locker.try_acquire("job", ttl=0.5, renew=True)
-    assert lease is not None and len(renewal_threads(lease)) == 1
+    assert lease is not None and locker._renewer.renewing() == 1
     # Held continuously (one grant, same acquired_at) for several TTLs of database time.
     wait_for(lambda: held_for(db, "job") > 2.0, what="renewal to push the expiry past 4 TTLs")
     assert other.try_acquire("job") is None
@@ -41,32 +50,36 @@ def test_renewal_keeps_a_short_lease_held(db: Db) -> None:
     assert lease.release() is True
 
 
-def test_release_stops_the_renewal_thread(db: Db) -> None:
+def test_release_stops_the_renewal(db: Db, short_linger: None) -> None:
     calls: list[Lease] = []
-    lease = db.locker().acquire("job", ttl=60, renew=True, on_lost=calls.append)
-    (thread,) = renewal_threads(lease)
+    locker = db.locker()
+    lease = locker.acquire("job", ttl=60, renew=True, on_lost=calls.append)
+    thread = renewal_thread(locker)
     assert lease.release() is True
-    # The next renewal is 20 s away: only the release's stop can end the thread this soon.
-    thread.join(5)
+    assert locker._renewer.renewing() == 0  # at once, not at its next turn (20 s away)
+    thread.join(5)  # with nothing left to renew, the thread ends
     assert not thread.is_alive()
     assert not lease.lost.is_set() and calls == []
 
 
-def test_a_collected_lease_stops_its_renewal_thread(db: Db) -> None:
-    lease = db.locker().try_acquire("job", ttl=60, renew=True)
+def test_a_collected_lease_stops_being_renewed(db: Db, short_linger: None) -> None:
+    locker = db.locker()
+    lease = locker.try_acquire("job", ttl=0.6, renew=True)
     assert lease is not None
-    (thread,) = renewal_threads(lease)
+    thread = renewal_thread(locker)
     del lease
     gc.collect()
-    thread.join(5)  # the thread holds only a weak reference, and wakes when it dies
+    # The schedule holds only a weak reference: the lease leaves it at its next turn.
+    wait_for(lambda: locker._renewer.renewing() == 0, what="the collected lease to leave the schedule")
+    thread.join(5)
     assert not thread.is_alive()
+    wait_for(lambda: db.locker().try_acquire("job") is not None, what="the unrenewed lease to expire")
 
 
 def test_lost_when_another_owner_takes_over(db: Db) -> None:
     calls: list[Lease] = []
     lease = db.locker().try_acquire("job", ttl=0.5, renew=True, on_lost=calls.append)
     assert lease is not None
-    (thread,) = renewal_threads(lease)
     operator = db.locker()
     (info,) = operator.leases()
     assert operator.force_release(info) is True
@@ -75,13 +88,66 @@ def test_lost_when_another_owner_takes_over(db: Db) -> None:
     assert taker is not None and taker.token > lease.token
     assert lease.lost.wait(10), "renewal did not notice the takeover"
     assert lease.remaining() == 0
-    thread.join(5)  # on_lost runs on it, after lost is set
-    assert not thread.is_alive()
-    assert calls == [lease]
+    wait_for(lambda: calls == [lease], what="on_lost (on a thread of its own, after lost is set)")
     with pytest.raises(LeaseLost):
         lease.extend()
     assert lease.release() is False
     assert [(i.name, i.token) for i in operator.leases()] == [("job", taker.token)]
+
+
+def test_many_leases_renew_in_few_statements(pg: Db) -> None:
+    """Leases due together are extended by one statement, not one each (nor a thread each)."""
+    proxy = PgProxy(pg.url)
+    try:
+        locker = Locker(proxy.url, table=pg.table)
+        leases = [locker.try_acquire(f"job-{i}", ttl=0.9, renew=True) for i in range(40)]
+        assert all(lease is not None for lease in leases)
+        proxy.reset()
+        start = {name: held for name, held in _held(pg)}
+        # Every lease extended at least twice (renewal every 0.3 s): 80 extends.
+        wait_for(lambda: all(held > start[name] + 0.5 for name, held in _held(pg)), what="two renewals of every lease")
+        assert proxy.round_trips < len(leases), f"{proxy.round_trips} statements for 80+ extends of 40 leases"
+        assert locker._renewer._workers == 1  # one scheduler and one worker thread, not a thread per lease
+        assert all(lease.remaining() > 0 and not lease.lost.is_set() for lease in leases if lease is not None)
+        for lease in leases:
+            assert lease is not None and lease.release() is True
+    finally:
+        proxy.close()
+
+
+def _held(db: Db) -> list[tuple[str, float]]:
+    return [(name, float(held)) for name, held in db.query(
+        f"SELECT name, EXTRACT(EPOCH FROM expires_at - acquired_at) FROM {db.table} WHERE owner IS NOT NULL"
+    )]
+
+
+def test_renewal_leaves_a_connection_for_releases(pg: Db) -> None:
+    """Renewal's extends, stuck behind a row lock, use at most max_connections - 1 connections."""
+    locker = Locker(pg.url, table=pg.table, max_connections=2, label="renewing")
+    stuck = [locker.try_acquire(f"stuck-{i}", ttl=3, renew=True) for i in range(6)]
+    other = locker.try_acquire("other", ttl=30)
+    assert other is not None and all(lease is not None for lease in stuck)
+    blocker = pg.connect()
+    blocker.autocommit = False
+    try:
+        # An operator's transaction holds the rows: every extend of them waits.
+        blocker.execute(f"SELECT * FROM {pg.table} WHERE name LIKE 'stuck-%' FOR UPDATE")
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            f"AND query LIKE '%{pg.table}%expires_at%' AND pid <> pg_backend_pid()"
+        )
+        probe = pg.connect()
+        wait_for(lambda: probe.execute(waiting).fetchone()[0] >= 1, what="renewal to wait for the row locks")
+        # While renewal waits, the release still has a connection of its own.
+        assert other.release() is True
+        assert probe.execute(waiting).fetchone()[0] <= 1
+        probe.close()
+    finally:
+        blocker.rollback()
+        blocker.close()
+    for lease in stuck:
+        assert lease is not None
+        lease.release()
 
 
 def test_lost_when_the_database_falls_silent(pg: Db) -> None:
@@ -90,12 +156,11 @@ def test_lost_when_the_database_falls_silent(pg: Db) -> None:
     try:
         calls: list[Lease] = []
         lease = Locker(proxy.url, table=pg.table).acquire("job", ttl=0.6, renew=True, on_lost=calls.append)
-        (thread,) = renewal_threads(lease)
         wait_for(lambda: held_for(pg, "job") > 1.2, what="a few renewals through the proxy")
         proxy.pause()
         assert lease.lost.wait(10), "renewal waited on the silent database past the trusted time"
-        thread.join(5)
-        assert calls == [lease] and lease.remaining() == 0
+        wait_for(lambda: calls == [lease], what="on_lost")
+        assert lease.remaining() == 0
         ((expires_before,),) = pg.query(f"SELECT expires_at FROM {pg.table}")
         proxy.resume()
         # The extend that was stuck now lands; it must not make the lease trusted again.
@@ -111,11 +176,10 @@ def test_lost_when_the_database_stays_unreachable(pg: Db, caplog: pytest.LogCapt
     calls: list[Lease] = []
     with caplog.at_level(logging.WARNING, logger="dblock.renew"):
         lease = Locker(proxy.url, table=pg.table).acquire("job", ttl=0.9, renew=True, on_lost=calls.append)
-        (thread,) = renewal_threads(lease)
         proxy.close()
         assert lease.lost.wait(10)
-        thread.join(5)
-    assert calls == [lease] and lease.remaining() == 0
+        wait_for(lambda: calls == [lease], what="on_lost")
+    assert lease.remaining() == 0
     retries = [r for r in caplog.records if r.name == "dblock.renew" and "could not extend" in r.getMessage()]
     assert retries, "no retry was logged before the lease was given up"
     assert any("lost the lease" in r.getMessage() for r in caplog.records)
@@ -125,15 +189,16 @@ def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCaptureF
     def boom(lease: Lease) -> None:
         raise RuntimeError("callback failed")
 
-    lease = db.locker().try_acquire("job", ttl=0.3, renew=True, on_lost=boom)
+    locker = db.locker()
+    lease = locker.try_acquire("job", ttl=0.3, renew=True, on_lost=boom)
     assert lease is not None
-    (thread,) = renewal_threads(lease)
+    thread = renewal_thread(locker)
     with caplog.at_level(logging.ERROR, logger="dblock.renew"):
         db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL")  # an operator broke it
         assert lease.lost.wait(10)
-        thread.join(5)
-    assert not thread.is_alive()
-    assert any(r.exc_info and "callback failed" in str(r.exc_info[1]) for r in caplog.records)
+        wait_for(lambda: any(r.exc_info and "callback failed" in str(r.exc_info[1]) for r in caplog.records),
+                 what="the callback's error in the log")
+    assert thread.is_alive()  # renewal goes on for the Locker's other leases
 
 
 def test_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db) -> None:
