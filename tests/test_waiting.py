@@ -569,3 +569,41 @@ def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
     assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'ghosts'") == [(None, 0)]
     assert queue(pg, "ghosts") == []
     assert holder.try_acquire("ghosts") is not None
+
+
+def test_joining_a_short_line_reads_only_that_line(pg: Db) -> None:
+    """A long line on another name must not make joining (or looking at) a short one read it all.
+
+    The waiters ahead are counted in the queue's index order; without that the
+    function's cached generic plan scanned the whole waiters table (0005).
+    """
+    locker = pg.locker()
+    held = [locker.try_acquire(name, ttl=600) for name in ("short", "middle", "long")]
+    assert all(held)
+    conn = pg.connect()
+    conn.execute(f"INSERT INTO {pg.table}_procs (id, until) VALUES ('p', now() + interval '1 hour')")
+    for name, count in (("long", 30_000), ("middle", 1_000), ("short", 3)):
+        conn.execute(
+            f"INSERT INTO {pg.table}_waiters (name, owner, ttl, proc, until) "
+            "SELECT %s, md5(random()::text), 600, 'p', now() + interval '1 hour' FROM generate_series(1, %s)",
+            (name, count),
+        )
+        conn.execute(f"UPDATE {pg.table} SET waiting = waiting + %s WHERE name = %s", (count, name))
+    conn.execute(f"ANALYZE {pg.table}_waiters")
+
+    def join(name: str) -> Any:
+        params = {
+            "name": name, "owner": os.urandom(16).hex(), "ttl": 600, "label": None, "proc": "p", "lapse": 3600,
+            "pid": None, "start": None, "until": 600, "seq": None,
+        }
+        return conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker._sql.enqueue, params).fetchone()[0]
+
+    # Past PL/pgSQL's five custom plans, lines of all lengths: the cached generic plan is in use.
+    for _ in range(10):
+        for name in ("long", "middle", "short"):
+            join(name)
+    plan = join("short")[0]["Plan"]
+    touched = plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0)
+    pages = conn.execute(f"SELECT relpages FROM pg_class WHERE relname = '{pg.table}_waiters'").fetchone()[0]
+    assert touched < 100 < pages, f"joining a line of 3 touched {touched} buffers; the waiters table has {pages} pages"
+    conn.close()
