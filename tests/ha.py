@@ -475,3 +475,82 @@ def start(synchronous: bool = True) -> Iterator[Cluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _replicas(cluster: Cluster) -> list[Node]:
+    leader = cluster.leader()
+    return [n for n in cluster.nodes if leader is None or n.name != leader.name]
+
+
+def wait_replayed(cluster: Cluster, timeout: float = 30) -> None:
+    """Wait until every replica has replayed the primary's WAL up to now."""
+    leader = cluster.leader()
+    assert leader is not None
+    ((lsn,),) = leader.sql("SELECT pg_current_wal_lsn()::text")
+
+    def caught_up() -> bool:
+        try:
+            return all(
+                n.sql("SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (lsn,))[0][0] for n in _replicas(cluster)
+            )
+        except psycopg.Error:
+            return False
+
+    cluster._wait(caught_up, timeout, f"replicas to replay up to {lsn}")
+
+
+@contextlib.contextmanager
+def standbys_stalled(cluster: Cluster) -> Iterator[list[int]]:
+    """SIGSTOP the primary's WAL senders: from now on the primary's commits reach no standby (a
+    replication link that went silent). Yields their PIDs; SIGCONT the ones still alive when the
+    block ends. (Stopping the standbys' WAL receivers would not do: the kernel still takes the
+    WAL into their sockets' buffers, and they read it all when they resume.)"""
+    leader = cluster.leader()
+    assert leader is not None
+    senders = [pid for (pid,) in leader.sql("SELECT pid FROM pg_stat_replication")]
+    assert len(senders) == NODES - 1, senders
+    try:
+        for pid in senders:
+            os.kill(pid, signal.SIGSTOP)
+        yield senders
+    finally:
+        for pid in senders:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def kill_primary_and_its_senders(cluster: Cluster, senders: list[int], timeout: float = 15) -> Node:
+    """SIGKILL the primary's postmaster and its WAL senders (the primary's machine dies), and wait
+    until they are gone: nothing more it wrote can reach a standby."""
+    old = cluster.kill_primary()
+    for pid in senders:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    cluster._wait(lambda: not any(_alive(p) for p in senders), timeout, "the old primary's WAL senders to exit")
+    return old
+
+
+def wait_new_leader(cluster: Cluster, old: Node, timeout: float = 60) -> Node:
+    found: list[Node] = []
+
+    def promoted() -> bool:
+        leader = cluster.leader()
+        if leader is None or leader.name == old.name:
+            return False
+        try:
+            ((ro,),) = leader.sql("SELECT pg_is_in_recovery()")
+        except psycopg.Error:
+            return False
+        found.append(leader)
+        return not ro
+
+    cluster._wait(promoted, timeout, f"a primary other than {old.name}")
+    return found[-1]

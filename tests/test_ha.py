@@ -318,3 +318,110 @@ def test_failover_and_switchover_keep_every_guarantee(ha_cluster: ha.Cluster, hd
     )
     for a, b, seconds in gaps:
         ha.FIGURES.append(f"  no grants from {ports.get(a, a)} to {ports.get(b, b)}: {seconds:.2f} s (database clock)")
+
+
+# -- what a promoted standby knows: synchronous against asynchronous replication ------------------
+@pytest.mark.parametrize("synchronous", [True, False], ids=["synchronous", "asynchronous"])
+def test_tokens_after_promoting_a_standby_that_fell_behind(ha_cluster: ha.Cluster, hdb: HaDb, synchronous: bool) -> None:
+    """The standbys stop receiving WAL (the primary's WAL senders are SIGSTOPped), clients keep taking
+    leases from the primary, then its postmaster is SIGKILLed and Patroni promotes a standby.
+
+    Asynchronous replication: the primary answers every grant at once, the promoted standby has
+    none of them, nor the sequence's advance, and hands out again a token that a client was
+    already given: G2 (and with it the fence) is broken. This is what the README states and
+    what create_schema() warns about.
+
+    Synchronous replication: no grant is answered while no standby confirms it (each try is cut
+    off at op_timeout, DatabaseUnavailable: it may or may not have committed, and a client
+    treats it as not granted); after the promotion every token is above every token a client
+    was given.
+    """
+    if not synchronous:
+        ha_cluster.set_synchronous(False)
+    try:
+        locker = hdb.locker(op_timeout=1)
+        given: list[int] = []
+        for _ in range(5):
+            lease = locker.try_acquire("x", ttl=60)
+            assert lease is not None
+            given.append(lease.token)
+            lease.release()
+        ha.wait_replayed(ha_cluster)
+        replicated = max(given)
+        cut_off = 0
+        with ha.standbys_stalled(ha_cluster) as senders:
+            # Past the sequence's 32 values logged ahead, so the standbys' copy of it falls behind.
+            for _ in range(3 if synchronous else 100):
+                try:
+                    lease = locker.try_acquire("x", ttl=60)
+                except dblock.DatabaseUnavailable:
+                    cut_off += 1
+                    continue
+                assert lease is not None
+                given.append(lease.token)
+                lease.release()
+            old = ha.kill_primary_and_its_senders(ha_cluster, senders)
+        ha.wait_new_leader(ha_cluster, old)
+        after = fresh_grant(hdb, "x")
+        again = [t for t in given if t >= after]
+        if synchronous:
+            assert cut_off == 3 and max(given) == replicated, "a grant was answered that no standby had confirmed"
+            assert again == [], f"token {after} was already given to a client (G2 broken)"
+        else:
+            assert cut_off == 0 and len(given) == 105
+            assert after in given, f"expected a reissued token: got {after}, the old primary gave up to {max(given)}"
+        ha.FIGURES.append(
+            f"{'synchronous' if synchronous else 'asynchronous'}, standbys behind, primary killed: clients were "
+            f"given tokens up to {max(given)} ({len(given) - 5} while the standbys received nothing, {cut_off} "
+            f"grants cut off unanswered); the promoted standby's next grant: token {after}"
+            + (f", handed out twice ({len(again)} tokens given before are >= it)" if again else ", above all of them")
+        )
+    finally:
+        if not synchronous:
+            ha_cluster.set_synchronous(True)
+        ha_cluster.wait_healthy(True)
+
+
+def fresh_grant(db: HaDb, name: str, timeout: float = 30) -> int:
+    """The token of a grant of ``name`` by a new client on the current primary (the lease is released)."""
+    locker = Locker(db.url, table=db.table)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                lease = locker.acquire(name, ttl=60, timeout=5)
+                lease.release()
+                return lease.token
+            except DBLockError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        locker.close()
+
+
+def test_create_schema_warns_when_replication_is_asynchronous(ha_cluster: ha.Cluster, hdb: HaDb, pg_url: str) -> None:
+    """The server tells whether its standbys confirm commits: create_schema() (and so `dblock
+    migrate`) warns with ReplicationWarning when they do not, and says nothing under synchronous
+    replication or on a server without standbys."""
+    locker = hdb.locker()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails
+        locker.create_schema()
+        single = Db("postgresql", pg_url, hdb.table)
+        try:
+            single.locker().create_schema()  # a server without standbys: nothing to say
+        finally:
+            single.drop()
+    ha_cluster.set_synchronous(False)
+    try:
+        with pytest.warns(dblock.ReplicationWarning, match=r"streams to 2 standby\(s\) asynchronously"):
+            locker.create_schema()
+        out = subprocess.run(
+            [sys.executable, "-m", "dblock", "--url", hdb.url, "--table", hdb.table, "migrate"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "asynchronously" in out.stderr and "fencing token again" in out.stderr
+    finally:
+        ha_cluster.set_synchronous(True)
