@@ -425,3 +425,61 @@ def test_create_schema_warns_when_replication_is_asynchronous(ha_cluster: ha.Clu
         assert "asynchronously" in out.stderr and "fencing token again" in out.stderr
     finally:
         ha_cluster.set_synchronous(True)
+
+
+# -- renewal and `dblock run` across a failover -------------------------------------------------
+def test_renewal_and_dblock_run_ride_through_a_failover(ha_cluster: ha.Cluster, hdb: HaDb) -> None:
+    """Renewing leases (in this process) and a `dblock run` (its own process) hold locks while the
+    primary's postmaster is SIGKILLed. A renewing lease either survives, its extend landing on
+    the new primary within the lease's trust, or is reported lost (lease.lost, on_lost once),
+    never both and never silently: a lease not reported lost is live on the new primary under
+    its own owner and token, and one reported lost is renewed no more. Leases whose trust
+    outlasts the failover by far survive; so does `dblock run`, whose command finishes and
+    whose exit status is the command's."""
+    locker = hdb.locker(op_timeout=1)
+    lost_calls: dict[str, int] = {}
+
+    def on_lost(lease: dblock.Lease) -> None:
+        lost_calls[lease.name] = lost_calls.get(lease.name, 0) + 1
+
+    # ttl 9: extended every 3 s, so at least 6 s of trust remain when the primary dies.
+    leases = {ttl: locker.acquire(f"renewed-{ttl}", ttl=ttl, renew=True, on_lost=on_lost) for ttl in (1.0, 2.0, 9.0)}
+    run = subprocess.Popen(
+        [
+            sys.executable, "-m", "dblock", "--url", hdb.url, "--table", hdb.table, "run", "job", "--ttl", "9",
+            "--", sys.executable, "-c", "import time; print('started', flush=True); time.sleep(9); print('done')",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "started\n"
+        old = ha_cluster.kill_primary()
+        ha.wait_new_leader(ha_cluster, old)
+        out, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, err
+    assert out == "done\n"
+    time.sleep(4)  # every renewal had its turn on the new primary
+    rows = {r[0]: r for r in hdb.query(f"SELECT name, owner, token, expires_at > now() FROM {hdb.table}")}
+    outcome = []
+    for ttl, lease in leases.items():
+        name, owner, token, live = rows[lease.name]
+        if lease.lost.is_set():
+            assert lost_calls.get(lease.name) == 1, "lost, but on_lost did not run exactly once"
+            assert lease.remaining() == 0
+            # 4 s after the failover, a lease still being extended would be live under its owner.
+            assert not (owner == lease.owner and live), "a lease reported lost is still being extended"
+            outcome.append(f"ttl {ttl:g} s: reported lost")
+        else:
+            assert lease.name not in lost_calls
+            assert (owner, token, live) == (lease.owner, lease.token, True), "kept by the client, not by the database"
+            lease.extend()
+            outcome.append(f"ttl {ttl:g} s: survived")
+    assert not leases[9.0].lost.is_set(), "a lease with 6 s of trust left did not survive a failover"
+    assert [r for r in locker.leases() if r.name == "job"] == [], "dblock run did not release its lease"
+    for lease in leases.values():
+        lease.release()
+    ha.FIGURES.append(f"renewing leases across a failover: {', '.join(outcome)}; dblock run --ttl 9: exited 0")
