@@ -12,6 +12,7 @@ replicated from the old primary.
 from __future__ import annotations
 
 import json
+import re
 import os
 import secrets
 import signal
@@ -483,3 +484,26 @@ def test_renewal_and_dblock_run_ride_through_a_failover(ha_cluster: ha.Cluster, 
     for lease in leases.values():
         lease.release()
     ha.FIGURES.append(f"renewing leases across a failover: {', '.join(outcome)}; dblock run --ttl 9: exited 0")
+
+
+def test_readme_url_finds_the_primary(ha_cluster: ha.Cluster, hdb: HaDb) -> None:
+    """The README's multi-host example, with the cluster's nodes in place of db1..db3: whichever
+    node is primary, the Locker finds it (the first host named is a standby here)."""
+    text = (HERE.parent / "README.md").read_text()
+    section = text.split("## High availability", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    leader = ha_cluster.wait_healthy(True)
+    order = sorted(ha_cluster.nodes, key=lambda n: n.name == leader.name)  # the primary last
+    for i, node in enumerate(order, 1):
+        block = block.replace(f"db{i}:5432", f"127.0.0.1:{node.pg_port}")
+    block = block.replace("app@/app", "postgres@/postgres").replace("Locker(", f"Locker(table={hdb.table!r}, url=", 1)
+    namespace: dict[str, Any] = {"Locker": Locker}
+    exec(compile(block, "README.md", "exec"), namespace)
+    locker = namespace["locker"]
+    try:
+        lease = locker.try_acquire("readme")
+        assert lease is not None
+        assert hdb.query(f"SELECT inet_server_port() FROM {hdb.table} WHERE name = 'readme'") == [(leader.pg_port,)]
+        lease.release()
+    finally:
+        locker.close()
