@@ -17,6 +17,7 @@ from .errors import (
     LeaseLost,
     LockNotAcquired,
     PermissionDenied,
+    ReplicationWarning,
     SchemaMissing,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "LockNotAcquired",
     "Locker",
     "PermissionDenied",
+    "ReplicationWarning",
     "SchemaMissing",
     "check_lease",
     "commit_guard",

@@ -34,6 +34,7 @@ import time
 from typing import Any, NamedTuple, Sequence
 
 import psycopg
+from psycopg.conninfo import conninfo_attempts
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -124,13 +125,35 @@ class Driver:
             **self._conninfo,
             "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(left)),
         }
-        try:
-            raw = psycopg.Connection.connect(
-                autocommit=True, prepare_threshold=5 if self.prepare else None, **params
-            )
-        except psycopg.Error as exc:
-            raise _unavailable(f"cannot connect to {self.where}: {_first_line(exc)}", exc) from exc
-        return raw
+        attempts = _host_attempts(params)
+        if attempts is None:
+            try:
+                raw = psycopg.Connection.connect(
+                    autocommit=True, prepare_threshold=5 if self.prepare else None, **params
+                )
+            except psycopg.Error as exc:
+                raise _unavailable(f"cannot connect to {self.where}: {_first_line(exc)}", exc) from exc
+            return raw
+        # Several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to find the
+        # primary): psycopg would give each host the whole connect_timeout, so three silent
+        # hosts would take three times the call's time. Each is tried here with what is left.
+        failed: list[psycopg.Error] = []
+        for attempt in attempts:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                return psycopg.Connection.connect(
+                    autocommit=True, prepare_threshold=5 if self.prepare else None,
+                    **{**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(left))},
+                )
+            except psycopg.Error as exc:
+                failed.append(exc)
+        if not failed:
+            raise OutOfTime(f"no time left to connect to {self.where}")
+        reasons = "; ".join(dict.fromkeys(_first_line(exc) for exc in failed))
+        tried = f"{len(failed)} of {len(attempts)} hosts"
+        raise _unavailable(f"cannot connect to {self.where} ({tried} tried): {reasons}", failed[-1]) from failed[-1]
 
     def _connect_sqlite(self) -> Any:
         try:
@@ -445,6 +468,18 @@ def _conninfo_args(cargs: Sequence[Any]) -> dict[str, Any]:
     # The psycopg dialect passes everything as keywords; a positional conninfo
     # string (should a dialect version pass one) is kept as psycopg's own.
     return {"conninfo": cargs[0]} if cargs else {}
+
+
+def _host_attempts(params: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """One set of connection parameters per host of a multi-host conninfo (psycopg's own split,
+    which also honours load_balance_hosts); None for a single host."""
+    hosts = params.get("host") or params.get("hostaddr")
+    if "conninfo" in params or not isinstance(hosts, str) or "," not in hosts:
+        return None
+    try:
+        return [dict(a) for a in conninfo_attempts(params)]
+    except psycopg.Error:
+        return None  # e.g. no host name resolves: let psycopg's connect report it
 
 
 def _unavailable(message: str, exc: BaseException) -> DBLockError:

@@ -76,3 +76,9 @@ class DatabaseUnavailable(DBLockError):
 
 class PermissionDenied(DBLockError):
     """The database role lacks a privilege dblock needs; the message names it."""
+
+
+class ReplicationWarning(UserWarning):
+    """The server has standbys, but commits do not wait for one to confirm them (asynchronous
+    replication): a standby promoted after a failover may lack grants a client was told of, and
+    hand out a token again. dblock's guarantees across a failover need synchronous replication."""

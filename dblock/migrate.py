@@ -15,8 +15,10 @@ head, whichever history made them, so a role without CREATE can call it then.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import sqlite3
+import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,8 +33,9 @@ from sqlalchemy import table as table_clause
 from sqlalchemy.engine import Connection, Engine, Inspector
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from ._redact import display_url
 from ._validate import check_identifier
-from .errors import DatabaseUnavailable, DBLockError, PermissionDenied
+from .errors import DatabaseUnavailable, DBLockError, PermissionDenied, ReplicationWarning
 from .schema import (
     DEFAULT_TABLE,
     default_sqlite_path,
@@ -47,6 +50,8 @@ from .schema import (
     token_sequence_name,
     version_table_name,
 )
+
+log = logging.getLogger("dblock.migrate")
 
 IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 
@@ -119,6 +124,8 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
     dblock's history or by the app's own (README, "Adding dblock to an existing
     app"), are left as they are.
     """
+    if engine.dialect.name == "postgresql":
+        check_replication(engine)
     if revision == "heads" and _at_head(engine, table, schema):
         return
     cfg = alembic_config(table, schema)
@@ -141,6 +148,41 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+
+
+# What the server tells about its replication, readable by any role: the physical WAL
+# senders (one per streaming standby; a logical one is connected to a database), the
+# synchronous standby names, and the synchronous_commit its sessions get.
+_REPLICATION = """
+SELECT pg_is_in_recovery(),
+       (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' AND datname IS NULL),
+       current_setting('synchronous_standby_names'),
+       current_setting('synchronous_commit')"""
+
+
+def check_replication(engine: Engine) -> str | None:
+    """Warn (``ReplicationWarning``, and on the ``dblock.migrate`` logger) when the server
+    streams to standbys that do not confirm commits: after a failover to one of them, a token
+    could be handed out again. Returns the warning's text, or None when there is nothing to say."""
+    with engine.connect() as conn:
+        recovery, standbys, names, commit = conn.execute(text(_REPLICATION)).one()
+    if recovery or not standbys:
+        return None  # a standby itself, or no standby to fail over to
+    if names.strip() and commit not in ("off", "local"):
+        return None
+    why = (
+        "synchronous_standby_names is empty"
+        if not names.strip()
+        else f"synchronous_commit is {commit!r} (commits do not wait for a standby)"
+    )
+    message = (
+        f"{display_url(engine.url)} streams to {standbys} standby(s) asynchronously ({why}): after a "
+        "failover the promoted standby may lack grants and hand out a fencing token again. dblock's "
+        "guarantees across a failover need synchronous replication (README, High availability)"
+    )
+    log.warning("%s", message)
+    warnings.warn(message, ReplicationWarning, stacklevel=4)  # at create_schema()'s caller
+    return message
 
 
 def downgrade(engine: Engine, table: str, schema: str | None, revision: str = "base") -> None:

@@ -10,7 +10,7 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import psycopg
 import pytest
@@ -20,6 +20,7 @@ import dblock
 from dblock import Locker
 from dblock.pytest_plugin import PostgreSQL, memory_dir
 
+from . import ha
 from . import pgbouncer as bouncer
 from .pgbouncer import PgBouncer
 
@@ -52,6 +53,29 @@ def pgbouncer(pg_url: str) -> Iterator[PgBouncer]:
         pytest.skip(bouncer.MISSING)
     with bouncer.start(pg_url, pool_size=4) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def ha_cluster() -> Iterator[ha.Cluster]:
+    """A real Patroni + etcd cluster of three PostgreSQL nodes, synchronous_mode on, for the session.
+
+    Skips, naming what is missing, where the parts are not installed
+    (tests/install-ha.sh installs them). Everything it started is killed and
+    reaped at the end of the session.
+    """
+    reason = ha.missing()
+    if reason is not None:
+        pytest.skip(reason)
+    with ha.start(synchronous=True) as cluster:
+        yield cluster
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The HA scenarios' figures (failover windows, refused stale writes...), shown after every run."""
+    if ha.FIGURES:
+        terminalreporter.section("high availability: measured")
+        for line in ha.FIGURES:
+            terminalreporter.write_line(line)
 
 
 def libpq_dsn(url: str) -> str:

@@ -1,0 +1,61 @@
+"""Multi-host URLs (the form that finds a new primary after a failover) without a cluster:
+bad forms are refused up front, and silent hosts cost the call's time, not that time per host.
+The failovers themselves are in test_ha.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Iterator
+
+import pytest
+
+import dblock
+from dblock import Locker
+
+
+@pytest.fixture
+def silent_hosts() -> Iterator[list[int]]:
+    """Three loopback ports that complete the TCP handshake and then never answer (nobody accepts)."""
+    socks = []
+    for _ in range(3):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        socks.append(s)
+    yield [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+
+
+def test_silent_hosts_take_the_calls_time_not_that_time_per_host(silent_hosts: list[int]) -> None:
+    """psycopg gives each host of a list the whole connect_timeout; dblock gives the hosts what is
+    left of the call's time, so a call with op_timeout=1 over three silent hosts returns within
+    its bound (op_timeout, at least 2 s to open a connection, and slack), not after 3 x 2 s."""
+    hosts = "&".join(f"host=127.0.0.1:{p}" for p in silent_hosts)
+    locker = Locker(f"postgresql+psycopg://nobody@/db?{hosts}&target_session_attrs=read-write", op_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(dblock.DatabaseUnavailable, match="cannot connect"):
+        locker.try_acquire("x")
+    assert time.monotonic() - started < 2 + 1 + 1.5
+    locker.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app@db1:5432,db2:5432/app",  # libpq's own URI form: SQLAlchemy cannot parse it
+        "postgresql+psycopg://app@db1:5432,db2:5432/app?target_session_attrs=read-write",
+    ],
+)
+def test_libpq_host_list_in_the_authority_is_refused_with_the_form_to_use(url: str) -> None:
+    with pytest.raises(ValueError, match=r"host=a:5432&host=b:5432"):
+        Locker(url)
+
+
+def test_multi_host_url_is_accepted_and_shown(silent_hosts: list[int]) -> None:
+    hosts = "&".join(f"host=127.0.0.1:{p}" for p in silent_hosts)
+    locker = Locker(f"postgresql+psycopg://app:secret@/app?{hosts}&target_session_attrs=read-write")
+    shown = repr(locker)
+    assert "secret" not in shown and "target_session_attrs=read-write" in shown
+    locker.close()
