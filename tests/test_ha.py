@@ -509,19 +509,14 @@ def test_readme_url_finds_the_primary(ha_cluster: ha.Cluster, hdb: HaDb) -> None
         locker.close()
 
 
-# -- a known gap: the fair queue's hand-off on a waiter's look -----------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="the enqueue function (migration 0005) commits a hand-off it makes on a waiter's look with "
-    "synchronous_commit off, so no standby need have it when the waiter is told (see the docstring)",
-)
+# -- the fair queue's hand-off on a waiter's look (fixed by migration 0006) ---------------------
 def test_a_hand_off_made_by_a_waiters_look_waits_for_the_standby(ha_cluster: ha.Cluster, hdb: HaDb) -> None:
     """A lease that ran out unreleased is handed to the first live waiter by whichever waiter
     looks first. When that is a waiter further back, its enqueue call hands the lease over and
-    then joins the line, and joining sets synchronous_commit off for the whole transaction,
-    hand-off included: the grant becomes visible (and is NOTIFYed) before any standby has it.
-    A failover then can lose a lease its new holder was told of: another client is granted
-    the name (G1) and maybe the same token (G2).
+    then joins the line. Joining alone commits with synchronous_commit off; with a hand-off in
+    the same transaction it must not (0005 did): the grant would be visible (and NOTIFYed)
+    before any standby had it, and a failover could lose a lease its new holder was told of:
+    another client granted the name (G1), maybe with the same token (G2).
 
     Here the standbys receive nothing (the primary's WAL senders are stopped); a grant must
     then stay invisible until one confirms it. The first waiter is a process SIGSTOPped while
