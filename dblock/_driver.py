@@ -136,16 +136,18 @@ class Driver:
             return raw
         # Several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to find the
         # primary): psycopg would give each host the whole connect_timeout, so three silent
-        # hosts would take three times the call's time. Each is tried here with what is left.
+        # hosts would take three times the call's time. Each is tried here with its share of
+        # what is left, so a silent first host (a primary that went away) leaves time for the rest.
         failed: list[psycopg.Error] = []
-        for attempt in attempts:
+        for i, attempt in enumerate(attempts):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            share = left / (len(attempts) - i)
             try:
                 return psycopg.Connection.connect(
                     autocommit=True, prepare_threshold=5 if self.prepare else None,
-                    **{**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(left))},
+                    **{**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))},
                 )
             except psycopg.Error as exc:
                 failed.append(exc)
