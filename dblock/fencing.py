@@ -35,7 +35,7 @@ from ._validate import check_identifier, check_name, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
 from .lease import Lease
 from .schema import DEFAULT_TABLE, fences_table
-from .statements import _NOW
+from .statements import SQLITE_NOW
 
 Target = Union[Connection, Session]
 TokenLike = Union[Lease, int]
@@ -90,7 +90,7 @@ def fenced_update(
             query = query.where(stmt.whereclause)
         winner = conn.execute(query).scalar()
         if winner is not None:
-            raise _refused(token, f"table {col.table.name!r}", winner, strict)
+            raise refused(token, f"table {col.table.name!r}", winner, strict)
     return result
 
 
@@ -138,7 +138,7 @@ def fenced_read(conn: Target, stmt: Select[Any], lease: TokenLike, *, column: st
         frozen = conn.execute(stamp).freeze()
     newest = max((row[-1] for row in frozen.data), default=None)
     if newest is not None and newest > token:
-        raise _refused(
+        raise refused(
             token, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
         )
     return frozen().columns(*range(len(returning)))
@@ -244,7 +244,7 @@ def fenced_upsert(
         winner = None
         if len(key) == len(keys):
             winner = conn.execute(select(fence_col).where(*[t.c[k] == v for k, v in key.items()])).scalar()
-        raise _refused(token, f"table {t.name!r}", winner, strict)
+        raise refused(token, f"table {t.name!r}", winner, strict)
 
 
 # -- the fences table -----------------------------------------------------------
@@ -287,7 +287,7 @@ def fence(
         passed = conn.execute(stmt).first()
     if passed is None:
         winner = conn.execute(select(t.c.last_token).where(t.c.resource == resource)).scalar()
-        raise _refused(token, f"resource {resource!r}", winner, strict)
+        raise refused(token, f"resource {resource!r}", winner, strict)
 
 
 # -- commit-time lease check (fail closed) ----------------------------------------
@@ -331,7 +331,7 @@ def _lease_check_sql(dialect: str, t: str) -> str:
     # so no acquire can write (take over) before this transaction ends.
     return (
         f"UPDATE {t} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
-        f" AND expires_at > {_NOW} RETURNING token"
+        f" AND expires_at > {SQLITE_NOW} RETURNING token"
     )
 
 
@@ -471,7 +471,7 @@ def _in_autocommit(conn: Target) -> bool:
     return False
 
 
-def _refused(
+def refused(
     token: int,
     what: str,
     winner: int | None,
@@ -480,6 +480,10 @@ def _refused(
     verb: str = "write",
     outcome: str = "nothing was written",
 ) -> FencedOut:
+    """The FencedOut for ``token`` refused by ``what``, which accepted ``winner`` (None: unknown).
+
+    Shared with ``dblock.orm``, whose flushes are refused the same way.
+    """
     if winner is None:
         accepted = "this token or a newer one (strict: one write per grant)" if strict else "a newer token"
     elif winner == token:

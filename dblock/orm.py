@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, object_session, scoped_session
 from sqlalchemy.orm.exc import StaleDataError
 
-from .fencing import TokenLike, _refused, token_of
+from .fencing import TokenLike, refused, token_of
 
 __all__ = ["Fenced", "fenced_session"]
 
@@ -115,7 +115,7 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
         winner = _newest_token(session, fence)
         session.rollback()  # end the read's own transaction too
         if winner is not None and (winner > token or (strict and winner == token)):
-            raise _refused(token, "a row flushed in this session", winner, strict) from exc
+            raise refused(token, "a row flushed in this session", winner, strict) from exc
         raise
     except BaseException:
         session.rollback()  # nothing made inside the block may be flushed later, unfenced
@@ -175,7 +175,7 @@ def _check(fence: _Fence, mapper: Mapper[Any], target: Any) -> None:
     # (autoflush, insert then update) are one write.
     again = loaded == fence.token and key not in fence.stamped
     if loaded > fence.token or (fence.strict and again):
-        raise _refused(fence.token, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
+        raise refused(fence.token, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
 
 
 def _has_column_changes(mapper: Mapper[Any], target: Any) -> bool:

@@ -211,12 +211,12 @@ SELECT set_config('synchronous_commit', 'off', true) FROM b"""
 
 
 # SQLite's clock as Unix seconds; 'now' is fixed for the whole statement.
-_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 # SQLite's 'now' is truncated to whole milliseconds (and the julianday
 # arithmetic adds ~25 us of rounding), so it can read up to ~1 ms behind the
 # real time. Expiries are pushed 2 ms later so that the database's expiry is
 # never earlier than (client's send time + ttl), which the client trusts (G5).
-_EXPIRES = f"({_NOW} + :ttl + 0.002)"
+_EXPIRES = f"({SQLITE_NOW} + :ttl + 0.002)"
 
 
 def _sqlite(t: str) -> Statements:
@@ -230,7 +230,7 @@ def _sqlite(t: str) -> Statements:
     # maximum never goes down (G2).
     acquire = f"""
 INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
-VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {_NOW}, {_EXPIRES}, :label)
+VALUES (:name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {SQLITE_NOW}, {_EXPIRES}, :label)
 ON CONFLICT (name) DO UPDATE SET
     token = CASE WHEN owner = excluded.owner THEN token ELSE (SELECT max(token) + 1 FROM {t}) END,
     acquired_at = CASE WHEN owner = excluded.owner THEN acquired_at ELSE excluded.acquired_at END,
@@ -243,7 +243,7 @@ RETURNING token, expires_at"""
     # binds: name
     # returns one row (wait): seconds until the current lease ends; NULL if free.
     # zero rows: the name has no row.
-    holder = f"SELECT expires_at - {_NOW} FROM {t} WHERE name = :name"
+    holder = f"SELECT expires_at - {SQLITE_NOW} FROM {t} WHERE name = :name"
     # release, released, extend, leases, prune: the same contracts as PostgreSQL's above.
     release = f"""
 UPDATE {t} SET owner = NULL, expires_at = NULL
@@ -256,7 +256,7 @@ WHERE name = :name AND owner = :owner AND token = :token
 RETURNING expires_at"""
     # binds: batch, a JSON array of [name, owner, token, ttl] arrays.
     extend_many = f"""
-UPDATE {t} SET expires_at = {_NOW} + b.ttl + 0.002
+UPDATE {t} SET expires_at = {SQLITE_NOW} + b.ttl + 0.002
 FROM (
     SELECT json_extract(value, '$[0]') AS b_name, json_extract(value, '$[1]') AS b_owner,
            json_extract(value, '$[2]') AS b_token, json_extract(value, '$[3]') AS ttl
@@ -265,13 +265,13 @@ FROM (
 WHERE name = b.b_name AND owner = b.b_owner AND token = b.b_token
 RETURNING name, token, expires_at"""
     leases = f"""
-SELECT name, owner, token, acquired_at, expires_at, expires_at - {_NOW}, label
-FROM {t} WHERE owner IS NOT NULL AND expires_at > {_NOW}
+SELECT name, owner, token, acquired_at, expires_at, expires_at - {SQLITE_NOW}, label
+FROM {t} WHERE owner IS NOT NULL AND expires_at > {SQLITE_NOW}
 ORDER BY name"""
     prune = f"""
 DELETE FROM {t}
-WHERE acquired_at < {_NOW} - :age
-  AND (owner IS NULL OR expires_at < {_NOW} - :age)
+WHERE acquired_at < {SQLITE_NOW} - :age
+  AND (owner IS NULL OR expires_at < {SQLITE_NOW} - :age)
   AND token < (SELECT max(token) FROM {t})
 RETURNING name"""
     # owned (after an acquire whose reply was lost)

@@ -633,7 +633,7 @@ def test_without_the_row_lock_the_takeover_slips_in(
     import dblock.fencing as fencing
 
     def plain_read(dialect: str, t: str) -> str:
-        now = "clock_timestamp()" if dialect == "postgresql" else fencing._NOW
+        now = "clock_timestamp()" if dialect == "postgresql" else fencing.SQLITE_NOW
         return f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token AND expires_at > {now}"
 
     monkeypatch.setattr(fencing, "_lease_check_sql", plain_read)
