@@ -110,6 +110,7 @@ def _usage() -> tuple[float, int]:
 
 def worker(args: argparse.Namespace) -> None:
     from dblock import DBLockError, Lease, Locker, _driver
+    from dblock.locker import Keeper
 
     tally = Tally()
     execute = _driver.Driver._execute
@@ -119,23 +120,22 @@ def worker(args: argparse.Namespace) -> None:
         return execute(self, conn, sql, params)
 
     _driver.Driver._execute = counted  # type: ignore[method-assign]
-    extend_many = Locker._extend_many
+    extend_many = Keeper.extend_many
 
-    def timed_extend_many(locker: Any, leases: list[Lease], deadline: float) -> list[Lease]:
+    def timed_extend_many(keeper: Any, leases: list[Lease], deadline: float) -> Any:
         # dblock's renewal is due when two thirds of the trusted time are left.
         late = [2 * lease.ttl / 3 - lease.remaining() for lease in leases]
         try:
-            missing = extend_many(locker, leases, deadline)
+            sent_at, expiries = extend_many(keeper, leases, deadline)
         except Exception as exc:
             for x in late:
                 tally.extend(x, False, type(exc).__name__)
             raise
-        gone = {id(lease) for lease in missing}
-        for lease, x in zip(leases, late):
-            tally.extend(x, id(lease) not in gone)
-        return missing
+        for expires_at, x in zip(expiries, late):
+            tally.extend(x, expires_at is not None)
+        return sent_at, expiries
 
-    Locker._extend_many = timed_extend_many  # type: ignore[method-assign]
+    Keeper.extend_many = timed_extend_many  # type: ignore[method-assign]
 
     before = _status()
     locker = Locker(args.url, table=args.table, ttl=args.ttl, max_connections=args.max_connections)
@@ -208,7 +208,7 @@ def _one_thread(args: argparse.Namespace, leases: list[Any], sql: Any, tally: Ta
     interval = args.ttl / 3
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Due a third of the ttl after the grant was sent, as dblock's renewal.
-        due = [(lease._trusted_until - 2 * interval, i) for i, lease in enumerate(leases)]
+        due = [(lease._state.trusted_until - 2 * interval, i) for i, lease in enumerate(leases)]
         heapq.heapify(due)
         while due and not stop.is_set():
             when, i = due[0]

@@ -87,3 +87,14 @@ def check_token(token: object) -> int:
     if not 1 <= token <= MAX_TOKEN:
         raise ValueError(f"token must be between 1 and {MAX_TOKEN}, not {token}")
     return token
+
+
+def check_renew(renew: object, on_lost: object) -> None:
+    """``renew`` and ``on_lost`` of an acquire: a bool, and a callable only with renewal."""
+    if not isinstance(renew, bool):
+        raise TypeError(f"renew must be True or False, not {type(renew).__name__}")
+    if on_lost is not None:
+        if not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
+        if not renew:
+            raise ValueError("on_lost is called by renewal: pass renew=True with it")

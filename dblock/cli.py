@@ -29,11 +29,12 @@ import psycopg
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 
+from ._process import describe_process
 from ._redact import display_url, redact
 from ._validate import check_identifier, check_name, check_timeout, check_ttl
 from .errors import DBLockError, LockNotAcquired
 from .lease import Lease, LeaseInfo
-from .locker import Locker, describe_process
+from .locker import Locker
 from .renew import Overdue, call_within
 from .schema import DEFAULT_TABLE, default_sqlite_path
 

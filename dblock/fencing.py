@@ -272,9 +272,9 @@ def fence(
         resource = lease.name
     check_name(resource)
     if table is None:
-        table = lease._locker.table if isinstance(lease, Lease) else DEFAULT_TABLE
+        table = lease.locker.table if isinstance(lease, Lease) else DEFAULT_TABLE
     if schema is None and isinstance(lease, Lease):
-        schema = lease._locker.schema
+        schema = lease.locker.schema
     t = _fences(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
     insert = _insert_for(_dialect(conn))
     stmt = insert(t).values(resource=resource, last_token=token)
@@ -306,7 +306,7 @@ def check_lease(conn: Target, lease: Lease) -> None:
     if _in_autocommit(conn):
         raise ValueError("check_lease needs a transaction: on an AUTOCOMMIT connection its lock would end at once")
     quote = dialect.identifier_preparer.quote
-    locker = lease._locker
+    locker = lease.locker
     sql = _lease_check_sql(dialect.name, (quote(locker.schema) + "." if locker.schema else "") + quote(locker.table))
     with _schema_hint(locker.table):
         row = conn.execute(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token}).first()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple
 
+from ._core import trusted_until
+from ._validate import check_ttl
 from .errors import LeaseLost
-from .renew import OnLost
+from .renew import OnLost, Renewal
 
 if TYPE_CHECKING:
     from .locker import Locker
+
+release_log = logging.getLogger("dblock.release")
 
 
 class LeaseInfo(NamedTuple):
@@ -31,6 +36,36 @@ class LeaseInfo(NamedTuple):
     label: str | None = None
 
 
+class LeaseState:
+    """What changes in a lease over its life (internal, not API).
+
+    Kept apart from the Lease so that the Locker's renewal can read and update
+    it while holding the Lease itself only by weak reference; it refers to no
+    Lease. Only the Lease and its renewal change it.
+    """
+
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost")
+
+    def __init__(self, expires_at: datetime, ttl: float, trusted_until: float) -> None:
+        self.expires_at = expires_at  # database time, timezone-aware
+        self.ttl = ttl
+        # G5: trusted until (when the acquire was *sent*) + ttl on this
+        # process's monotonic clock, never past the database's expiry.
+        self.trusted_until = trusted_until
+        self.released = False
+        self.lost = threading.Event()
+
+    def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
+        """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
+        self.expires_at = expires_at
+        self.ttl = ttl
+        self.trusted_until = trusted_until(sent_at, ttl)
+
+    def ended(self) -> bool:
+        """Released or lost: nothing left to trust or renew."""
+        return self.released or self.lost.is_set()
+
+
 class Lease:
     """A grant of lock ``name`` to this process.
 
@@ -43,10 +78,7 @@ class Lease:
     taken over or could not extend it in time, or ``extend`` found it taken.
     """
 
-    __slots__ = (
-        "_locker", "name", "owner", "token", "expires_at", "ttl", "lost",
-        "_trusted_until", "_released", "_renewal", "__weakref__",
-    )
+    __slots__ = ("_keeper", "name", "owner", "token", "_state", "_renewal", "__weakref__")
 
     def __init__(
         self,
@@ -58,24 +90,38 @@ class Lease:
         ttl: float,
         sent_at: float,
     ) -> None:
-        self._locker = locker
+        self._keeper = locker.keeper  # the statements behind this lease's verbs
         self.name = name
         self.owner = owner
         self.token = token
-        self.expires_at = expires_at  # database time, timezone-aware
-        self.ttl = ttl
-        # G5: trust the lease until (when the acquire was *sent*) + ttl on this
-        # process's monotonic clock, never past the database's expiry.
-        self._trusted_until = sent_at + ttl
-        self._released = False
-        self.lost = threading.Event()
-        self._renewal: object | None = None  # its place in the Locker's renewal schedule
+        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl))
+        self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
+
+    @property
+    def locker(self) -> Locker:
+        """The Locker that granted this lease (its ``engine``, ``table`` and ``schema`` say where it lives)."""
+        return self._keeper.locker
+
+    @property
+    def expires_at(self) -> datetime:
+        """The lease's expiry by the database clock (timezone-aware), as of its grant or last extend."""
+        return self._state.expires_at
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live, in seconds, as of its grant or last extend."""
+        return self._state.ttl
+
+    @property
+    def lost(self) -> threading.Event:
+        """Set once this holder learns that the lease is gone without its release."""
+        return self._state.lost
 
     def remaining(self) -> float:
         """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
-        if self._released or self.lost.is_set():
+        if self._state.ended():
             return 0.0
-        return max(0.0, self._trusted_until - time.monotonic())
+        return max(0.0, self._state.trusted_until - time.monotonic())
 
     def extend(self, ttl: float | None = None) -> None:
         """Push the expiry to (database now + ttl). Raises LeaseLost if someone else took the lock.
@@ -86,15 +132,21 @@ class Lease:
         Works even after the TTL ran out, as long as no one else acquired in
         between: exclusivity was never broken.
         """
-        self._locker._extend(self, ttl)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        done = self._keeper.extend(self.name, self.owner, self.token, ttl)
+        if done is None:
+            if not self._state.released:
+                self._lose()
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
+        self._state.extended(done.expires_at, ttl, done.sent_at)
 
     def release(self) -> bool:
         """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
         try:
-            return self._locker._release(self)
+            return self._keeper.release(self.name, self.owner, self.token, self._state)
         finally:
             if self._renewal is not None:
-                self._locker._renewer.drop(self._renewal)  # type: ignore[arg-type]
+                self._keeper.renewer.drop(self._renewal)
 
     def start_renewal(self, on_lost: OnLost | None = None) -> None:
         """Extend this lease every ttl/3 until it is released or lost.
@@ -109,32 +161,41 @@ class Lease:
         """
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
-        if self._released or self.lost.is_set():
+        if self._state.ended():
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
         if self._renewal is not None:
             raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
-        self._renewal = self._locker._renewer.add(self, on_lost)
-
-    def _extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
-        self.expires_at = expires_at
-        self.ttl = ttl
-        self._trusted_until = sent_at + ttl
+        self._renewal = self._keeper.renewer.add(self, self._state, on_lost)
 
     def _lose(self) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal
         # gave up waiting) must not make the caller trust the lease again.
-        self.lost.set()
+        self._state.lost.set()
         if self._renewal is not None:
-            self._locker._renewer.drop(self._renewal)  # type: ignore[arg-type]
+            self._keeper.renewer.drop(self._renewal)
 
     def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._locker._exit(self, exc is not None)
+        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
+        failing = exc is not None
+        released_before = self._state.released
+        try:
+            ended = self.release()
+        except Exception:
+            if not failing:
+                raise
+            release_log.exception("could not release %r after an error in the with-block", self.name)
+            return
+        if not ended and not released_before and not failing:
+            raise LeaseLost(
+                f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
+                "another owner may have acquired it"
+            )
 
     def __repr__(self) -> str:
-        if self._released:
+        if self._state.released:
             state = "released"
         elif self.lost.is_set():
             state = "lost"

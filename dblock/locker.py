@@ -5,34 +5,33 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import secrets
-import socket
-import sqlite3
-import sys
 import threading
 import time
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import datetime
 from types import TracebackType
-from typing import Any, Sequence
+from typing import Any, NamedTuple
 
-from sqlalchemy import create_engine
-from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
-from sqlalchemy.pool import NullPool
+from sqlalchemy.engine import URL, Engine
 
+from . import _core as core
 from . import statements
 from ._cleanup import Cleanup
-from ._driver import SQLITE_BUSY_TIMEOUT_MS, Busy, Driver, OutOfTime
-from ._redact import display_url, redact_command
+from ._core import OUTAGE_RETRY_MIN, Grant
+from ._core import EXPIRY_LOOKERS as EXPIRY_LOOKERS, FALLBACK_MAX as FALLBACK_MAX, GRACE as GRACE  # as before
+from ._core import OUTAGE_RETRY_MAX as OUTAGE_RETRY_MAX  # importable here as before
+from ._driver import Busy, Driver, OutOfTime
+from ._engine import engine_for, use_wal
+from ._process import default_label, queue_id
+from ._process import describe_process as describe_process  # importable here as before
+from ._redact import display_url
 from ._wait import Heartbeat, Hotspot, Listener
-from ._validate import check_identifier, check_interval, check_name, check_text, check_timeout, check_ttl
-from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
-from .lease import Lease, LeaseInfo
+from ._validate import check_identifier, check_interval, check_name, check_renew, check_text, check_timeout, check_ttl
+from .errors import DatabaseUnavailable, LockNotAcquired
+from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewer
-from .schema import DEFAULT_TABLE, LABEL_LENGTH, prepare_default_sqlite_path
+from .schema import DEFAULT_TABLE, LABEL_LENGTH
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -40,16 +39,13 @@ release_log = logging.getLogger("dblock.release")
 DEFAULT_TTL = 30.0
 DEFAULT_OP_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 10
-# A waiting acquire's last statements (the attempt in flight at its deadline,
-# leaving the queue) may run this much past it before they are cut off.
-GRACE = 1.0
-# While the database is unreachable, a wait retries after this pause, doubling.
-OUTAGE_RETRY_MIN, OUTAGE_RETRY_MAX = 0.05, 1.0
-# A fair waiter behind others looks (in case a notification was lost) at most this rarely.
-FALLBACK_MAX = 30.0
-# When the current lease is known to end, the first few in line look: a lease that ran
-# out unreleased is handed to the first live waiter by whoever looks (or leaves) first.
-EXPIRY_LOOKERS = 3
+
+
+class Attempt(NamedTuple):
+    """One acquire attempt: the lease it got, or None and the seconds until the holder's lease ends."""
+
+    lease: Lease | None
+    wait: float | None
 
 
 class Locker:
@@ -124,7 +120,7 @@ class Locker:
             raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
         if not 1 <= max_connections <= 1000:
             raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
-        self.engine, self._needs_migration = _engine(url)
+        self.engine, self._needs_migration = engine_for(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
@@ -136,14 +132,15 @@ class Locker:
         self._hot = Hotspot()
         # The fair queue's liveness: one heartbeat per Locker process, whatever the number of waiters.
         # A waiter is skipped once its process's row is older than lapse: 4 beats missed, and a second.
-        self._lapse = 4 * self.poll_max + 1.0
+        self._lapse = core.lapse(self.poll_max)
         self._heartbeat = Heartbeat(self._beat, self.poll_max) if self._queued else None
-        # One renewal thread for all of this Locker's renewing leases; their
-        # extends go out in batches, on at most size - 1 connections.
-        self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
-        self._proc = ("", -1)  # (liveness id, pid it was made in)
+        # What this Locker's leases call. One renewal thread for all of them;
+        # their extends go out in batches, on at most size - 1 connections.
+        self.keeper = Keeper(self, max(1, min(4, max_connections - 1)))
+        self._renewer = self.keeper.renewer
+        self._proc = queue_id()
         self._migrated = threading.Lock()
-        self._default_label = ("", -1)  # (label, pid it was made in)
+        self._default_label = default_label()
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> None:
@@ -157,23 +154,8 @@ class Locker:
 
         with migrate.database_errors(self.engine, self.table):
             if self.engine.dialect.name == "sqlite":
-                self._use_wal()
+                use_wal(self.engine)
             migrate.upgrade(self.engine, self.table, self.schema)
-
-    def _use_wal(self) -> None:
-        # WAL lets readers and the one writer work at the same time. Switching
-        # needs an exclusive lock; when another process is migrating the new
-        # file, SQLite reports a deadlock at once instead of waiting, so retry.
-        deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
-        while True:
-            try:
-                with self.engine.connect() as conn:
-                    conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-                return
-            except OperationalError as exc:
-                if "locked" not in str(exc.orig) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.005 + random.random() * 0.02)
 
     def _ensure_schema(self) -> None:
         if self._needs_migration:
@@ -193,7 +175,7 @@ class Locker:
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        _check_renew(renew, on_lost)
+        check_renew(renew, on_lost)
         owner = secrets.token_hex(16)
         try:
             lease, _ = self._attempt(name, owner, ttl, self._deadline())
@@ -225,7 +207,7 @@ class Locker:
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
-        _check_renew(renew, on_lost)
+        check_renew(renew, on_lost)
         lease = self._acquire(name, ttl, timeout)
         if renew:
             lease.start_renewal(on_lost)
@@ -250,11 +232,7 @@ class Locker:
         return self._wait_in_line(name, owner, ttl, timeout, deadline)
 
     def _proc_id(self) -> str:
-        proc, pid = self._proc
-        if pid != os.getpid():  # made before a fork: the child is another process
-            proc = secrets.token_hex(8)
-            self._proc = (proc, os.getpid())
-        return proc
+        return self._proc.get()
 
     def _beat(self) -> None:
         self._driver.run(
@@ -274,10 +252,7 @@ class Locker:
         bounds; elsewhere a statement may run ``GRACE`` past it, so the attempt
         in flight at the deadline is not cut off when the server is merely slow.
         """
-        now = time.monotonic()
-        if self._sql.dialect == "sqlite":
-            return min(now + self.op_timeout, max(deadline, now + 0.001))
-        return min(now + self.op_timeout, deadline + GRACE)
+        return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
 
     def _abandon(self, name: str, owner: str, ttl: float) -> None:
         """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
@@ -291,24 +266,23 @@ class Locker:
             rows = self._driver.run(
                 self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
             ).rows
-            held = bool(rows and rows[0][0])
+            grant = core.cancelled(rows)
+            token = None if grant is None else grant.token
         else:
             rows = self._driver.run(
                 self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
             ).rows
-            held = bool(rows)
-        if held:
-            token = rows[0][1] if self._sql.cancel is not None else rows[0][0]
+            token = rows[0][0] if rows else None
+        if token is not None:
             self._end({"name": name, "owner": owner, "token": token}, self._deadline())
 
     def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
         """Sleep out a moment of an outage (never past ``deadline``); the next pause."""
-        left = deadline - time.monotonic()
-        pause = min(delay * (1 + random.random()), left)
+        pause, later = core.outage_pause(delay, deadline - time.monotonic(), random.random())
         log.info("database unavailable while waiting for %r (%s); retrying in %.3f s", name, exc, max(pause, 0))
         if pause > 0:
             time.sleep(pause)
-        return min(delay * 2, OUTAGE_RETRY_MAX)
+        return later
 
     @staticmethod
     def _out_of_time(name: str, timeout: float, outage: DatabaseUnavailable | None) -> Exception:
@@ -323,7 +297,7 @@ class Locker:
         """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO)."""
         me = self._hot.join(name)
         try:
-            if not me.wait(_seconds(deadline - time.monotonic())):
+            if not me.wait(core.wait_seconds(deadline - time.monotonic())):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
             delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
             outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
@@ -347,21 +321,12 @@ class Locker:
                 if outage is not None:
                     outage_delay = self._outage(outage, name, outage_delay, deadline)
                     continue
-                pause = self._backoff(delay, wait)
-                delay = min(delay * 2, self.poll_max)
+                pause = core.backoff(delay, wait, random.random())
+                delay = core.next_delay(delay, self.poll_max)
                 log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
                 me.wait(min(pause, left))
         finally:
             self._hot.leave(name, me)
-
-    def _backoff(self, delay: float, wait: float | None) -> float:
-        """A jittered pause in [delay, 2 delay), cut short at the holder's known expiry."""
-        pause = delay + random.random() * delay
-        if wait is not None:
-            # The holder's lease ends in `wait` s (database clock): no point
-            # polling before then, nor sleeping past it.
-            pause = min(pause, max(wait, 0.001))
-        return pause
 
     def _wait_in_queue(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
         """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
@@ -375,7 +340,6 @@ class Locker:
         # when it ran, which is no earlier: together they place database times on our clock.
         queued_at: tuple[float, float] | None = None
         outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
-        unsure = False  # an attempt went unanswered: it may have queued us or granted us the lease
         outage_delay = OUTAGE_RETRY_MIN
         seq: int | None = None  # our place in line, once queued
         if heartbeat is not None:
@@ -396,8 +360,7 @@ class Locker:
                             "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                             "proc": self._proc_id(), "lapse": self._lapse,
                             "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                            # The entry dies with the wait: skipped if this process cannot leave the line.
-                            "until": None if left == math.inf else max(left, 0.0) + GRACE, "seq": seq,
+                            "until": core.entry_lifetime(left), "seq": seq,
                         },
                         deadline=self._bound(deadline),
                         waiting=True,
@@ -408,42 +371,36 @@ class Locker:
                         break
                     continue
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
-                    outage, unsure = exc, True
+                    outage = exc
                     if time.monotonic() >= deadline:
                         break
                     outage_delay = self._outage(exc, name, outage_delay, deadline)
                     continue
-                if not rows:
+                outcome = core.enqueued(rows)
+                if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
-                granted, token, expires_at, wait, seq, ahead, at = rows[0]
-                if granted:
-                    return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at)
-                queued_at = (sent_at, float(at))
+                if isinstance(outcome, Grant):
+                    return Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at)
+                wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
+                queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 if slot is not None and ident is not None:
-                    # A release hands over and notifies; looking is a fallback in case a
-                    # notification was lost, rarer the further back in line. The first
-                    # few in line also look when the current lease ends (a holder that
-                    # died): that look hands the lease to the first live waiter.
-                    pause = min((self.poll_max + random.random() * self.poll_max) * (1 + ahead), FALLBACK_MAX)
-                    if wait is not None and ahead < EXPIRY_LOOKERS:
-                        pause = min(pause, max(wait, 0.001))
+                    # Woken by a hand-off's notification, or looking in case one was lost.
+                    pause = core.look_pause(self.poll_max, ahead, wait, random.random())
                     slot.event.wait(min(pause, left))
                     if slot.grant is not None:
                         token, expiry = slot.grant
-                        lease = self._handed(name, owner, ttl, token, _when(expiry), queued_at, deadline)
+                        lease = self._handed(name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline)
                         if lease is not None:
                             return lease
                         slot.grant = None  # handed, then lost before we could use it: wait on
                     slot.event.clear()
                 else:
-                    # Polling: nobody will wake us, and a lease handed to us sits
-                    # unused until we look. The first in line looks every poll_min;
-                    # the others back off with their place in the queue.
-                    delay = min(self.poll_min * (1 + (ahead or 0)), self.poll_max)
-                    pause = self._backoff(delay, wait)
+                    # Polling: nobody will wake us, and a lease handed to us sits unused until we look.
+                    delay = core.poll_delay(self.poll_min, self.poll_max, ahead)
+                    pause = core.backoff(delay, wait, random.random())
                     time.sleep(min(pause, left))
                 if pause >= left or time.monotonic() >= deadline:
                     break  # slept to the deadline (the sleep may end a hair early)
@@ -457,16 +414,17 @@ class Locker:
             except DatabaseUnavailable as exc:
                 self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
                 raise self._out_of_time(name, timeout, outage if isinstance(exc, OutOfTime) else exc) from exc
-            if rows and rows[0][0]:
+            handed = core.cancelled(rows)
+            if handed is not None:
                 # A release handed us the lease, or an attempt whose reply was
                 # lost granted it. Either way after the last attempt that came
                 # back "queued" was sent, which then starts its trust (G5).
                 if queued_at is not None:
-                    lease = self._handed(name, owner, ttl, rows[0][1], _when(rows[0][2]), queued_at, deadline)
+                    lease = self._handed(name, owner, ttl, handed, queued_at, deadline)
                     if lease is not None:
                         return lease
                 else:  # no such attempt: we cannot tell when it was granted, so end it
-                    self._end({"name": name, "owner": owner, "token": rows[0][1]}, self._bound(deadline))
+                    self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
             raise self._out_of_time(name, timeout, outage)
         finally:
             if heartbeat is not None:
@@ -479,31 +437,28 @@ class Locker:
         name: str,
         owner: str,
         ttl: float,
-        token: int,
-        expires_at: datetime,
+        handed: Grant,
         queued_at: tuple[float, float],
         deadline: float,
     ) -> Lease | None:
         """A lease a release handed us, or None if it was lost before we woke.
 
-        Trusted until its database expiry placed on our clock (G5): our last
-        queueing attempt was sent at ``sent`` and ran at database time ``at``,
-        a moment no earlier, so expiry ``E`` comes no earlier than
-        ``sent + (E - at)`` on our clock (the two clocks running at the same
-        rate, as G5 assumes). The hand-off came after that attempt, so this is
-        at least ``sent + ttl``; it does not age while we sleep far back in the
-        line. If little of the ttl is left, one extend renews it; if meanwhile
-        it expired and someone else took it over, the caller goes on waiting.
+        Trusted until its database expiry placed on our clock (G5, see
+        ``core.handed_trust``): our last queueing attempt was sent at ``sent``
+        and ran at database time ``at``. If little of the ttl is left, one
+        extend renews it; if meanwhile it expired and someone else took it
+        over, the caller goes on waiting.
         """
         sent, at = queued_at
-        until = sent + (expires_at.timestamp() - at)
-        lease = Lease(self, name, owner, token, expires_at, ttl, min(until, time.monotonic() + ttl) - ttl)
-        if lease.remaining() < ttl / 2:
-            try:
-                self._extend(lease, None, self._bound(deadline))
-            except LeaseLost:
+        now = time.monotonic()
+        trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
+        expires_at, sent_at = handed.expires_at, trusted - ttl  # the Lease trusts sent_at + ttl
+        if core.needs_refresh(trusted, now, ttl):
+            done = self.keeper.extend(name, owner, handed.token, ttl, self._bound(deadline))
+            if done is None:
                 return None
-        return lease
+            expires_at, sent_at = done
+        return Lease(self, name, owner, handed.token, expires_at, ttl, sent_at)
 
     def lock(
         self,
@@ -520,7 +475,7 @@ class Locker:
         ``lease.lost`` (or pass ``on_lost``) in long blocks.
         """
         check_name(name)
-        _check_renew(renew, on_lost)
+        check_renew(renew, on_lost)
         return _LockContext(
             self,
             name,
@@ -532,131 +487,43 @@ class Locker:
 
     def _attempt(
         self, name: str, owner: str, ttl: float, deadline: float | None = None, *, waiting: bool = False
-    ) -> tuple[Lease | None, float | None]:
+    ) -> Attempt:
         self._ensure_schema()
         if deadline is None:
             deadline = self._deadline()
         sent_at = time.monotonic()
-        rows, holder, _ = self._driver.run(
+        result = self._driver.run(
             self._sql.acquire,
             {"name": name, "owner": owner, "ttl": ttl, "label": self._label()},
             self._sql.holder,
             deadline=deadline,
             waiting=waiting,
         )
-        if self._sql.dialect == "postgresql":
-            if not rows:
-                return None, None
-            granted, token, expires_at, wait = rows[0]
-            if not granted:
-                return None, wait
-        else:
-            if not rows:
-                return None, holder[0][0] if holder else None
-            token, expires_at = rows[0]
-        log.debug("granted %r token=%s", name, token)
-        return Lease(self, name, owner, token, _when(expires_at), ttl, sent_at), None
+        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        if not isinstance(outcome, Grant):
+            return Attempt(None, outcome.wait)
+        log.debug("granted %r token=%s", name, outcome.token)
+        return Attempt(Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at), None)
 
     def _label(self) -> str:
-        if self.label is not None:
-            return self.label
-        label, pid = self._default_label
-        if pid != os.getpid():  # made before a fork: the pid changed
-            label = describe_process(sys.argv)
-            self._default_label = (label, os.getpid())
-        return label
-
-    # -- the holder's verbs (called through Lease) ---------------------------
-    def _release(self, lease: Lease) -> bool:
-        self._ensure_schema()
-        # Before the statement: a renewal extend that finds the row cleared by
-        # this release must not take it for a loss.
-        lease._released = True
-        key = _key(lease)
-        try:
-            ended = self._end(key, self._deadline())
-        except DatabaseUnavailable:
-            # Unconfirmed: keep ending it in the background until it would expire.
-            self._cleanup.add(
-                f"the lease on {lease.name!r} (token {lease.token})",
-                lambda: self._end(key, self._deadline()),
-                time.monotonic() + lease.ttl,
-            )
-            raise
-        if not self._queued:  # fair waiters are handed the lease by the release itself
-            self._hot.released(lease.name)
-        return ended
+        return self._default_label.get() if self.label is None else self.label
 
     def _end(self, key: dict[str, Any], deadline: float) -> bool:
-        rows, _, retried = self._driver.run(self._sql.release, key, deadline=deadline)
-        if not rows and retried:
+        """Release the lease ``key`` (name, owner, token); True if this call ended it."""
+        result = self._driver.run(self._sql.release, key, deadline=deadline)
+        rows = result.rows
+        if not rows and result.retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
             rows = self._driver.run(self._sql.released, key, deadline=deadline).rows
         return bool(rows)
-
-    def _extend(self, lease: Lease, ttl: float | None, deadline: float | None = None) -> None:
-        ttl = lease.ttl if ttl is None else check_ttl(ttl)
-        self._ensure_schema()
-        sent_at = time.monotonic()
-        rows = self._driver.run(
-            self._sql.extend, {**_key(lease), "ttl": ttl}, deadline=self._deadline() if deadline is None else deadline
-        ).rows
-        if not rows:
-            if not lease._released:
-                lease._lose()
-            raise LeaseLost(f"lease on {lease.name!r} (token {lease.token}) was released or taken over; not extended")
-        lease._extended(_when(rows[0][0]), ttl, sent_at)
-
-    def _extend_many(self, leases: list[Lease], deadline: float) -> list[Lease]:
-        """Renewal's extend: ``leases`` by their own ttl in one statement; returns those not extended.
-
-        A background statement (``waiting``): however many leases renew, it
-        leaves a connection of the pool for releases and other calls.
-        """
-        leases = sorted(leases, key=lambda lease: lease.name)  # row locks in one order
-        if self._sql.dialect == "postgresql":
-            params: dict[str, Any] = {
-                "names": [lease.name for lease in leases],
-                "owners": [lease.owner for lease in leases],
-                "tokens": [lease.token for lease in leases],
-                "ttls": [lease.ttl for lease in leases],
-            }
-        else:
-            params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in leases])}
-        sent_at = time.monotonic()
-        rows = self._driver.run(self._sql.extend_many, params, deadline=deadline, waiting=True).rows
-        expiries = {(name, token): expires_at for name, token, expires_at in rows}
-        missing = []
-        for lease in leases:
-            expires_at = expiries.get((lease.name, lease.token))
-            if expires_at is None:
-                missing.append(lease)
-            else:
-                lease._extended(_when(expires_at), lease.ttl, sent_at)
-        return missing
-
-    def _exit(self, lease: Lease, failing: bool) -> None:
-        released_before = lease._released
-        try:
-            ended = lease.release()
-        except Exception:
-            if not failing:
-                raise
-            release_log.exception("could not release %r after an error in the with-block", lease.name)
-            return
-        if not ended and not released_before and not failing:
-            raise LeaseLost(
-                f"lease on {lease.name!r} (token {lease.token}) was lost before the with-block ended: "
-                "another owner may have acquired it"
-            )
 
     # -- operators ---------------------------------------------------------
     def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
         rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
-        return [LeaseInfo(n, o, t, _when(a), _when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+        return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
 
     def force_release(self, lease: LeaseInfo) -> bool:
         """End someone else's lease, as an operator: ``lease`` is a row of ``leases()``.
@@ -728,96 +595,84 @@ class _LockContext:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
-            self._locker._exit(lease, exc is not None)
+            lease.__exit__(exc_type, exc, tb)
 
 
-def _seconds(value: float) -> float | None:
-    """A timeout for Event.wait: None for ever, never negative."""
-    return None if value == math.inf else max(value, 0.0)
+class Extended(NamedTuple):
+    """An extend that took: the lease's new database expiry, and when the statement was sent."""
+
+    expires_at: datetime
+    sent_at: float
 
 
-def _key(lease: Lease) -> dict[str, Any]:
-    return {"name": lease.name, "owner": lease.owner, "token": lease.token}
+class Keeper:
+    """The Locker's side of its leases (internal, not API): the statements behind a Lease's verbs.
 
+    A Locker makes one (``Locker.keeper``) and each Lease it grants holds it.
+    The Lease keeps its own state (``LeaseState``) and calls only these, so
+    neither reaches into the other's private names. Also holds the Locker's
+    renewal (``renewer``), whose batched extends it sends.
+    """
 
-def _check_renew(renew: object, on_lost: object) -> None:
-    if not isinstance(renew, bool):
-        raise TypeError(f"renew must be True or False, not {type(renew).__name__}")
-    if on_lost is not None:
-        if not callable(on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
-        if not renew:
-            raise ValueError("on_lost is called by renewal: pass renew=True with it")
+    __slots__ = ("locker", "renewer")
 
+    def __init__(self, locker: Locker, renew_workers: int) -> None:
+        self.locker = locker
+        self.renewer = Renewer(self.extend_many, locker.op_timeout, renew_workers)
 
-def describe_process(command: Sequence[str]) -> str:
-    """A lease label: ``"host:pid command line"``, passwords masked, cut to fit the column."""
-    words = [str(w).replace("\x00", "") for w in command if w is not None]
-    if words:
-        words[0] = Path(words[0]).name or words[0]
-    # A command line may carry a database URL or password: user:***@, ?password=***, PGPASSWORD=***.
-    line = redact_command(words) if words else "python"
-    label = f"{socket.gethostname()}:{os.getpid()} {line}"
-    # One readable line: no newlines or other control characters, valid UTF-8.
-    label = "".join(c if c.isprintable() else " " for c in label).encode("utf-8", "replace").decode("utf-8")
-    return label if len(label) <= LABEL_LENGTH else label[: LABEL_LENGTH - 3] + "..."
+    def release(self, name: str, owner: str, token: int, state: LeaseState) -> bool:
+        """End the lease; True if this call ended it. Marks ``state`` released first."""
+        locker = self.locker
+        locker._ensure_schema()
+        # Before the statement: a renewal extend that finds the row cleared by
+        # this release must not take it for a loss.
+        state.released = True
+        key = {"name": name, "owner": owner, "token": token}
+        try:
+            ended = locker._end(key, locker._deadline())
+        except DatabaseUnavailable:
+            # Unconfirmed: keep ending it in the background until it would expire.
+            locker._cleanup.add(
+                f"the lease on {name!r} (token {token})",
+                lambda: locker._end(key, locker._deadline()),
+                time.monotonic() + state.ttl,
+            )
+            raise
+        if not locker._queued:  # fair waiters are handed the lease by the release itself
+            locker._hot.released(name)
+        return ended
 
+    def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
+        """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""
+        locker = self.locker
+        locker._ensure_schema()
+        sent_at = time.monotonic()
+        rows = locker._driver.run(
+            locker._sql.extend,
+            {"name": name, "owner": owner, "token": token, "ttl": ttl},
+            deadline=locker._deadline() if deadline is None else deadline,
+        ).rows
+        return Extended(core.when(rows[0][0]), sent_at) if rows else None
 
-def _when(value: Any) -> datetime:
-    if isinstance(value, datetime):
-        return value
-    return datetime.fromtimestamp(float(value), timezone.utc)  # SQLite keeps Unix seconds
+    def extend_many(self, leases: list[Lease], deadline: float) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` by their own ttl in one statement.
 
-
-def _engine(url: str | URL | Engine | None) -> tuple[Engine, bool]:
-    """An engine for ``url``, and whether dblock owns the schema (the embedded default)."""
-    if url is None:
-        path = prepare_default_sqlite_path()
-        return _sqlite_engine(URL.create("sqlite", database=str(path))), True
-    if isinstance(url, Engine):
-        if url.dialect.name == "sqlite":
-            _check_sqlite(url.url)
-            return _sqlite_engine(url.url), False
-        _check_driver(url.url)
-        return url, False
-    if not isinstance(url, (str, URL)):
-        raise TypeError(f"url must be a str, a sqlalchemy URL or Engine, or None; not {type(url).__name__}")
-    try:
-        parsed = make_url(url)
-    except (ArgumentError, ValueError):  # ValueError: e.g. libpq's host list "a:5432,b:5432"
-        raise ValueError(
-            "not a database URL; expected e.g. postgresql+psycopg://user@host/db or sqlite:///path/to/locks.db"
-            " (several hosts: postgresql+psycopg://user@/db?host=a:5432&host=b:5432&target_session_attrs=read-write)"
-        ) from None
-    if parsed.drivername in ("postgresql", "postgres"):
-        parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is dblock's driver
-    if parsed.get_backend_name() == "sqlite":
-        _check_sqlite(parsed)
-        return _sqlite_engine(parsed), False
-    _check_driver(parsed)
-    try:
-        return create_engine(parsed, poolclass=NullPool), False
-    except (NoSuchModuleError, ArgumentError) as exc:
-        raise ValueError(f"cannot use {parsed.render_as_string(hide_password=True)}: {exc}") from None
-
-
-def _check_driver(url: URL) -> None:
-    if url.get_backend_name() != "postgresql" or url.get_driver_name() not in ("psycopg", ""):
-        raise ValueError(
-            f"dblock supports postgresql+psycopg:// and sqlite:/// URLs, not {url.drivername}://"
-        )
-
-
-def _check_sqlite(url: URL) -> None:
-    if url.get_driver_name() not in ("pysqlite", ""):
-        raise ValueError(f"dblock supports SQLite through the standard sqlite3 module, not {url.drivername}")
-    if url.database in (None, "", ":memory:"):
-        raise ValueError("an in-memory SQLite database cannot be shared between connections; give a file path")
-    if sqlite3.sqlite_version_info < (3, 35):
-        raise ValueError(f"dblock needs SQLite 3.35 or newer (RETURNING); this Python has {sqlite3.sqlite_version}")
-
-
-def _sqlite_engine(url: URL) -> Engine:
-    # dblock's pool hands a connection to one thread at a time, but not always
-    # the same thread.
-    return create_engine(url, poolclass=NullPool, connect_args={"check_same_thread": False})
+        Returns when it was sent, and per lease (in the order given) its new
+        expiry, or None if it was not extended (released or taken over). A
+        background statement (``waiting``): however many leases renew, it
+        leaves a connection of the pool for releases and other calls.
+        """
+        locker = self.locker
+        batch = sorted(leases, key=lambda lease: lease.name)  # row locks in one order
+        if locker._sql.dialect == "postgresql":
+            params: dict[str, Any] = {
+                "names": [lease.name for lease in batch],
+                "owners": [lease.owner for lease in batch],
+                "tokens": [lease.token for lease in batch],
+                "ttls": [lease.ttl for lease in batch],
+            }
+        else:
+            params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in batch])}
+        sent_at = time.monotonic()
+        rows = locker._driver.run(locker._sql.extend_many, params, deadline=deadline, waiting=True).rows
+        return sent_at, core.extended(rows, [(lease.name, lease.token) for lease in leases])

@@ -176,7 +176,7 @@ def expire_now(lease: Lease) -> None:
 
     if not isinstance(lease, Lease):
         raise TypeError(f"dblock_expire takes a Lease, not {type(lease).__name__}")
-    locker = lease._locker
+    locker = lease.locker
     t = locks_table(locker.table, locker.schema)
     # acquired_at is in the past on every backend's clock: an expiry there has passed.
     stmt = (

@@ -5,7 +5,7 @@ while the database answers). The scheduler thread keeps the renewing leases by
 weak reference in a heap ordered by the moment each next needs attention: when
 it is due, or, while its extend is in flight, when its trust runs out. It does
 no I/O itself. The leases due now, with those due within a sixth of their ttl,
-go out as one statement (``Locker._extend_many``) on a worker thread, bounded
+go out as one statement (``Keeper.extend_many``) on a worker thread, bounded
 by the driver's deadline: at most ``op_timeout``, never past the trust of the
 batch's least trusted lease. So a database that hangs cannot keep the
 scheduler from noticing a lease's trust run out, and a Locker renewing a
@@ -32,22 +32,21 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
+from . import _core as core
 from .errors import LeaseLost
 
 if TYPE_CHECKING:
-    from .lease import Lease
+    from .lease import Lease, LeaseState
 
 log = logging.getLogger("dblock.renew")
 
 OnLost = Callable[["Lease"], object]
-ExtendMany = Callable[[list["Lease"], float], list["Lease"]]
+# (leases, deadline) -> (when the statement was sent, each lease's new expiry or None: not extended)
+ExtendMany = Callable[[list["Lease"], float], tuple[float, Sequence["datetime | None"]]]
 
-# After a failed extend, retry this many times per renewal interval.
-_RETRIES_PER_INTERVAL = 3
-# A lease due within this share of its ttl joins the batch going out now.
-_EARLY = 1 / 6
 # At most this many leases per statement.
 BATCH_MAX = 500
 # Threads with nothing to do end after this many seconds.
@@ -57,15 +56,19 @@ LINGER = 5.0
 class _Entry:
     """A renewing lease's place in the schedule."""
 
-    __slots__ = ("ref", "ttl", "wake", "busy", "done", "on_lost")
+    __slots__ = ("ref", "state", "ttl", "wake", "busy", "done", "on_lost")
 
-    def __init__(self, lease: Lease, on_lost: OnLost | None) -> None:
+    def __init__(self, lease: Lease, state: LeaseState, on_lost: OnLost | None) -> None:
         self.ref = weakref.ref(lease)
+        self.state = state  # the lease's trust, which renewal reads and updates (it refers to no Lease)
         self.ttl = lease.ttl
         self.wake = 0.0  # monotonic time of its live heap item
         self.busy = False  # an extend of it is in flight
         self.done = False  # left the schedule
         self.on_lost = on_lost
+
+
+Renewal = _Entry  # a renewing lease's place in the schedule, as the Lease holds it
 
 
 class Renewer:
@@ -91,11 +94,11 @@ class Renewer:
         self._pid = os.getpid()
 
     # -- the lease's side ----------------------------------------------------
-    def add(self, lease: Lease, on_lost: OnLost | None) -> _Entry:
+    def add(self, lease: Lease, state: LeaseState, on_lost: OnLost | None) -> Renewal:
         if self._pid != os.getpid():
             # Forked: the parent's threads are not here, and its leases are not ours to renew.
             self._reset()
-        entry = _Entry(lease, on_lost)
+        entry = _Entry(lease, state, on_lost)
         with self._lock:
             self._live += 1
             self._push(entry, time.monotonic() + _until_due(lease))
@@ -106,7 +109,7 @@ class Renewer:
                 self._wake.notify()
         return entry
 
-    def drop(self, entry: _Entry) -> None:
+    def drop(self, entry: Renewal) -> None:
         """The lease ended (released or lost): take it out of the schedule now."""
         if self._pid != os.getpid():
             return
@@ -165,14 +168,14 @@ class Renewer:
             if entry.done or when != entry.wake:
                 heapq.heappop(heap)  # a stale item
                 continue
-            if when > now and (not batch or entry.busy or when > now + entry.ttl * _EARLY):
+            if not core.renewal_due(when, now, entry.ttl, early=bool(batch) and not entry.busy):
                 break  # not due yet (nor due soon enough to join the batch going out)
             heapq.heappop(heap)
             lease = entry.ref()
-            if lease is None or lease._released or lease.lost.is_set():
+            if lease is None or entry.state.ended():
                 self._leave(entry)
                 continue
-            left = lease._trusted_until - now
+            left = entry.state.trusted_until - now
             if left <= 0:
                 self._leave(entry)
                 lost.append((entry, "the database did not answer before its trusted time ran out" if entry.busy
@@ -224,30 +227,33 @@ class Renewer:
         entries: list[_Entry] = []
         for entry in job:
             lease = entry.ref()
-            if lease is None or lease._released or lease.lost.is_set():
+            if lease is None or entry.state.ended():
                 out.append((entry, None, ""))
-            elif lease._trusted_until <= now:
+            elif entry.state.trusted_until <= now:
                 out.append((entry, None, "its trusted time ran out before it could be extended"))
             else:
                 leases.append(lease)
                 entries.append(entry)
         if not leases:
             return out
-        deadline = min(now + self._op_timeout, min(lease._trusted_until for lease in leases))
+        deadline = core.batch_deadline(now, self._op_timeout, [entry.state.trusted_until for entry in entries])
         error: Exception | None = None
-        missing: list[Lease] = []
+        expiries: Sequence[datetime | None] = ()
         try:
-            missing = self._extend_many(leases, deadline)
+            sent_at, expiries = self._extend_many(leases, deadline)
         except Exception as exc:  # noqa: BLE001 - the database is unreachable or failing: retry while trusted
             error = exc
+        else:
+            for lease, entry, expires_at in zip(leases, entries, expiries):
+                if expires_at is not None:
+                    entry.state.extended(expires_at, lease.ttl, sent_at)
         now = time.monotonic()
-        gone = {id(lease) for lease in missing}
         retrying = 0
-        for lease, entry in zip(leases, entries):
-            left = lease._trusted_until - now
-            if lease._released:
+        for i, (lease, entry) in enumerate(zip(leases, entries)):
+            left = entry.state.trusted_until - now
+            if entry.state.released:
                 out.append((entry, None, ""))  # a release raced the extend: not a loss
-            elif id(lease) in gone:
+            elif error is None and expiries[i] is None:
                 out.append((entry, None, "it was released or taken over by another owner"))
             elif error is None:
                 out.append((entry, now + _until_due(lease), ""))
@@ -255,14 +261,14 @@ class Renewer:
                 out.append((entry, None, f"the database stayed unreachable until its trusted time ran out ({error})"))
             else:
                 retrying += 1
-                out.append((entry, now + min(lease.ttl / 3 / _RETRIES_PER_INTERVAL, left), ""))
+                out.append((entry, now + core.retry_after(lease.ttl, left), ""))
         if retrying:
             log.warning(
                 "could not extend %d lease(s) (the first %r, token %s): %s; retrying while they are trusted",
                 retrying, leases[0].name, leases[0].token, error,
             )
         else:
-            log.debug("extended %d lease(s)", len(leases) - len(missing))
+            log.debug("extended %d lease(s)", sum(e is not None for e in expiries))
         return out
 
 
@@ -270,23 +276,19 @@ def _report(lost: list[tuple[_Entry, str]]) -> None:
     for entry, why in lost:
         lease = entry.ref()
         if lease is not None:
-            _lose(lease, entry.on_lost, why)
+            _lose(lease, entry.state, entry.on_lost, why)
 
 
 def _until_due(lease: Lease) -> float:
-    """Seconds until a third of the lease's trusted time is used up: then it is extended.
-
-    Counted from the trust left, not from now, so a grant or an extend whose
-    reply was slow is followed up sooner.
-    """
-    ttl = lease.ttl
-    return min(ttl / 3, max(ttl / 30, lease.remaining() - 2 * ttl / 3))
+    """Seconds until a third of the lease's trusted time is used up (see ``core.until_due``)."""
+    return core.until_due(lease.ttl, lease.remaining())
 
 
-def _lose(lease: Lease, on_lost: OnLost | None, why: str) -> None:
-    if lease._released or lease.lost.is_set():
+def _lose(lease: Lease, state: LeaseState, on_lost: OnLost | None, why: str) -> None:
+    if state.ended():
         return  # released meanwhile: the extend that raced the release found nothing, as it should
-    lease._lose()
+    # Once lost, stays lost. The entry has left the schedule already.
+    state.lost.set()
     log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
     if on_lost is not None:
         threading.Thread(
@@ -333,4 +335,4 @@ def call_within(call: Callable[[], T], timeout: float, name: str) -> T:
     return value  # type: ignore[no-any-return]
 
 
-__all__ = ["LeaseLost", "OnLost", "Renewer", "call_within", "Overdue"]
+__all__ = ["LeaseLost", "OnLost", "Renewal", "Renewer", "call_within", "Overdue"]

@@ -1,0 +1,254 @@
+"""The decisions of acquiring, waiting and renewing, as pure functions.
+
+No clock, no thread, no driver, no I/O and no randomness in here: the caller
+passes in every time (``time.monotonic()`` seconds unless said otherwise), the
+rows a statement returned, and any random draw (``random.random()``, in
+[0, 1)). The sync API (``Locker``, ``renew``) calls these; the asyncio API
+that issue 14 asks for will call the same ones, so the two cannot drift on
+what a row means, how long to sleep or how long a lease may be trusted.
+
+Sync and async, one source (issue 14). Two ways were on the table: write the
+async code and generate the sync twin from it with a script whose output CI
+diffs (psycopg's pool), or keep both APIs thin over this module. dblock takes
+the second. Generation pays off when the two twins have the same structure and
+differ only in ``await``; dblock's sync side is built from threads that an
+asyncio twin would not have at all: the watchdog thread that shuts a late
+statement's socket (asyncio cancels the task), the listener thread that reads
+NOTIFYs (a task on an async connection), the renewal scheduler with its worker
+threads (one task and ``asyncio.wait``), ``Event.wait`` hand-offs (a Future).
+A generator would need an exception for each of them, and the generated file
+would hide the difference instead of stating it. What must not drift (what a
+row means, every pause, every deadline and trust window) lives here and in
+``statements.py``; what legitimately differs (how to wait) is written twice,
+each short, and the same test cases run against both faces.
+
+The async side's shape, concretely: ``AsyncLocker._attempt`` sends
+``statements.acquire`` on an async connection and passes the result to
+``acquired()``; its waiting loops call ``backoff()``, ``next_delay()``,
+``outage_pause()``, ``look_pause()``, ``poll_delay()``, ``entry_lifetime()``
+and ``statement_deadline()`` between ``await asyncio.sleep`` /
+``asyncio.wait_for`` on a hand-off future, decode with ``enqueued()`` and
+``cancelled()``, and trust a hand-off with ``handed_trust()`` and
+``needs_refresh()``; its ``AsyncLease`` trusts ``trusted_until()``; its renewal
+task schedules with ``until_due()``, ``retry_after()``, ``renewal_due()`` and
+``batch_deadline()`` and decodes ``extended()``.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, NamedTuple, Sequence
+
+# A waiting acquire's last statements (the attempt in flight at its deadline,
+# leaving the queue) may run this much past it before they are cut off.
+GRACE = 1.0
+# While the database is unreachable, a wait retries after this pause, doubling.
+OUTAGE_RETRY_MIN, OUTAGE_RETRY_MAX = 0.05, 1.0
+# A fair waiter behind others looks (in case a notification was lost) at most this rarely.
+FALLBACK_MAX = 30.0
+# When the current lease is known to end, the first few in line look: a lease that ran
+# out unreleased is handed to the first live waiter by whoever looks (or leaves) first.
+EXPIRY_LOOKERS = 3
+# Renewal: after a failed extend, retry this many times per renewal interval.
+RETRIES_PER_INTERVAL = 3
+# Renewal: a lease due within this share of its ttl joins the batch going out now.
+EARLY = 1 / 6
+
+Rows = Sequence[Sequence[Any]]
+
+
+# -- rows into outcomes ---------------------------------------------------------
+class Grant(NamedTuple):
+    """The database granted (or handed) the lease: its token and database expiry."""
+
+    token: int
+    expires_at: datetime
+
+
+class Miss(NamedTuple):
+    """Another owner holds the lock; ``wait``: seconds until its lease ends by the
+    database clock (<= 0 or None: it just ended, or is not known)."""
+
+    wait: float | None
+
+
+class Queued(NamedTuple):
+    """A fair waiter is in line (``seq``) behind ``ahead`` others; ``wait`` as in Miss;
+    ``at``: the database's time (epoch seconds) when the attempt ran."""
+
+    wait: float | None
+    seq: int
+    ahead: int
+    at: float
+
+
+def when(value: Any) -> datetime:
+    """A database time as a timezone-aware datetime (SQLite keeps Unix seconds)."""
+    if isinstance(value, datetime):
+        return value
+    return datetime.fromtimestamp(float(value), timezone.utc)
+
+
+def acquired(dialect: str, rows: Rows, holder: Rows) -> Grant | Miss:
+    """The outcome of ``statements.acquire`` (and, on SQLite, of ``holder`` after a miss)."""
+    if dialect == "postgresql":
+        if not rows:
+            return Miss(None)  # a concurrent first acquire created the row just now
+        granted, token, expires_at, wait = rows[0]
+        if not granted:
+            return Miss(wait)
+    else:
+        if not rows:
+            return Miss(holder[0][0] if holder else None)
+        token, expires_at = rows[0]
+    return Grant(token, when(expires_at))
+
+
+def enqueued(rows: Rows) -> Grant | Queued | None:
+    """The outcome of ``statements.enqueue``; None: the row was just created, look again."""
+    if not rows:
+        return None
+    granted, token, expires_at, wait, seq, ahead, at = rows[0]
+    if granted:
+        return Grant(token, when(expires_at))
+    return Queued(wait, seq, ahead, float(at))
+
+
+def cancelled(rows: Rows) -> Grant | None:
+    """The outcome of ``statements.cancel``: the lease a release handed us first, or None."""
+    if rows and rows[0][0]:
+        return Grant(rows[0][1], when(rows[0][2]))
+    return None
+
+
+def extended(rows: Rows, keys: Sequence[tuple[str, int]]) -> list[datetime | None]:
+    """The outcome of ``statements.extend_many``: per (name, token) of ``keys``, in order,
+    the new database expiry, or None if that lease was released or taken over."""
+    expiries = {(name, token): expires_at for name, token, expires_at in rows}
+    return [None if (e := expiries.get(key)) is None else when(e) for key in keys]
+
+
+# -- how long to pause ------------------------------------------------------------
+def backoff(delay: float, wait: float | None, draw: float) -> float:
+    """A jittered pause in [delay, 2 delay), cut short at the holder's known expiry.
+
+    The holder's lease ends in ``wait`` s (database clock): no point polling
+    before then, nor sleeping past it.
+    """
+    pause = delay + draw * delay
+    if wait is not None:
+        pause = min(pause, max(wait, 0.001))
+    return pause
+
+
+def next_delay(delay: float, poll_max: float) -> float:
+    """The backoff's next base: doubling, up to ``poll_max``."""
+    return min(delay * 2, poll_max)
+
+
+def outage_pause(delay: float, left: float, draw: float) -> tuple[float, float]:
+    """While the database is away: (this pause, never past the wait's ``left`` s; the next delay)."""
+    return min(delay * (1 + draw), left), min(delay * 2, OUTAGE_RETRY_MAX)
+
+
+def look_pause(poll_max: float, ahead: int, wait: float | None, draw: float) -> float:
+    """How long a fair waiter with a listener sleeps before it looks again.
+
+    A release hands over and notifies; looking is a fallback in case a
+    notification was lost, rarer the further back in line. The first few in
+    line also look when the current lease ends (a holder that died): that
+    look hands the lease to the first live waiter.
+    """
+    pause = min((poll_max + draw * poll_max) * (1 + ahead), FALLBACK_MAX)
+    if wait is not None and ahead < EXPIRY_LOOKERS:
+        pause = min(pause, max(wait, 0.001))
+    return pause
+
+
+def poll_delay(poll_min: float, poll_max: float, ahead: int | None) -> float:
+    """A polling fair waiter's backoff base: the first in line looks every ``poll_min``,
+    the others back off with their place in the queue."""
+    return min(poll_min * (1 + (ahead or 0)), poll_max)
+
+
+def lapse(poll_max: float) -> float:
+    """How long a process's heartbeat row keeps its waiters in line: 4 beats missed, and a second."""
+    return 4 * poll_max + 1.0
+
+
+def wait_seconds(left: float) -> float | None:
+    """A timeout for ``Event.wait``: None for ever, never negative."""
+    return None if left == math.inf else max(left, 0.0)
+
+
+# -- deadlines ----------------------------------------------------------------------
+def statement_deadline(now: float, deadline: float, op_timeout: float, sqlite: bool) -> float:
+    """The deadline of one statement, sent at ``now``, of a wait that ends at ``deadline``.
+
+    SQLite's only wait is for another writer, which the wait's own deadline
+    bounds; elsewhere a statement may run ``GRACE`` past it, so the attempt in
+    flight at the deadline is not cut off when the server is merely slow.
+    """
+    if sqlite:
+        return min(now + op_timeout, max(deadline, now + 0.001))
+    return min(now + op_timeout, deadline + GRACE)
+
+
+def entry_lifetime(left: float) -> float | None:
+    """How long a fair waiter's queue entry lives (None: for ever) when its wait has
+    ``left`` s: it dies with the wait, so it is skipped if this process cannot leave the line."""
+    return None if left == math.inf else max(left, 0.0) + GRACE
+
+
+# -- trust (G5) -----------------------------------------------------------------------
+def trusted_until(sent_at: float, ttl: float) -> float:
+    """Until when a client trusts a lease granted (or extended) by a statement it sent at
+    ``sent_at``: ``sent_at + ttl``. The database computed the expiry, now + ttl by its
+    clock, after it received the statement, so no earlier than that (G5)."""
+    return sent_at + ttl
+
+
+def handed_trust(sent: float, at: float, expires_at: float, now: float, ttl: float) -> float:
+    """Until when a lease handed to a fair waiter is trusted, on the waiter's clock.
+
+    The waiter's last queueing attempt was sent at ``sent`` and ran at database
+    time ``at`` (epoch seconds), a moment no earlier, so the lease's database
+    expiry ``expires_at`` (epoch seconds) comes no earlier than
+    ``sent + (expires_at - at)`` on the waiter's clock (the two clocks running
+    at the same rate, as G5 assumes). The hand-off came after that attempt, so
+    this is at least ``sent + ttl``; it does not age while the waiter sleeps
+    far back in the line. Never more than ``now + ttl``: the hand-off happened
+    before the waiter heard of it.
+    """
+    return min(sent + (expires_at - at), now + ttl)
+
+
+def needs_refresh(trusted: float, now: float, ttl: float) -> bool:
+    """A handed lease with less than half its ttl of trust left is extended once before use."""
+    return trusted - now < ttl / 2
+
+
+def until_due(ttl: float, remaining: float) -> float:
+    """Seconds until a third of a lease's trusted time is used up: then renewal extends it.
+
+    Counted from the trust left (``remaining``), not from now, so a grant or an
+    extend whose reply was slow is followed up sooner.
+    """
+    return min(ttl / 3, max(ttl / 30, remaining - 2 * ttl / 3))
+
+
+def retry_after(ttl: float, left: float) -> float:
+    """After a failed extend: seconds until the next try, while ``left`` s of trust remain."""
+    return min(ttl / 3 / RETRIES_PER_INTERVAL, left)
+
+
+def renewal_due(wake: float, now: float, ttl: float, *, early: bool) -> bool:
+    """Whether a lease whose turn is at ``wake`` goes out now; ``early``: a batch is
+    going out anyway, and a lease due within ``EARLY`` of its ttl joins it."""
+    return wake <= now or (early and wake <= now + ttl * EARLY)
+
+
+def batch_deadline(now: float, op_timeout: float, trusts: Sequence[float]) -> float:
+    """A renewal batch's deadline: ``op_timeout``, never past its least trusted lease's trust."""
+    return min(now + op_timeout, min(trusts))
