@@ -392,10 +392,16 @@ class Locker:
                     slot.event.wait(min(pause, left))
                     if slot.grant is not None:
                         token, expiry = slot.grant
-                        lease = self._handed(name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline)
+                        try:
+                            lease = self._handed(name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline)
+                        except DatabaseUnavailable as exc:
+                            # The lease is ours but could not be renewed for use: the next
+                            # attempt (same owner, G6) takes it up again, or the wait's end
+                            # leaves it; either way it is not leaked, and the wait rides on.
+                            outage, lease = exc, None
                         if lease is not None:
                             return lease
-                        slot.grant = None  # handed, then lost before we could use it: wait on
+                        slot.grant = None  # handed, then lost (or unconfirmed) before we could use it: wait on
                     slot.event.clear()
                 else:
                     # Polling: nobody will wake us, and a lease handed to us sits unused until we look.
@@ -419,12 +425,16 @@ class Locker:
                 # A release handed us the lease, or an attempt whose reply was
                 # lost granted it. Either way after the last attempt that came
                 # back "queued" was sent, which then starts its trust (G5).
-                if queued_at is not None:
-                    lease = self._handed(name, owner, ttl, handed, queued_at, deadline)
-                    if lease is not None:
-                        return lease
-                else:  # no such attempt: we cannot tell when it was granted, so end it
-                    self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
+                try:
+                    if queued_at is not None:
+                        lease = self._handed(name, owner, ttl, handed, queued_at, deadline)
+                        if lease is not None:
+                            return lease
+                    else:  # no such attempt: we cannot tell when it was granted, so end it
+                        self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
+                except DatabaseUnavailable as exc:
+                    self._abandon(name, owner, ttl)  # ours, unconfirmed: ended in the background
+                    raise self._out_of_time(name, timeout, exc) from exc
             raise self._out_of_time(name, timeout, outage)
         finally:
             if heartbeat is not None:

@@ -293,3 +293,43 @@ def test_200_waiters_in_4_processes_on_a_100_connection_server(pg: Db) -> None:
     assert all(0 < r["peak"] <= 10 for r in reports), [r["peak"] for r in reports]
     assert peak.get("dblock listener", 0) <= 4, peak
     assert sum(peak.get(f"w{i}", 0) for i in range(4)) + peak.get("dblock listener", 0) < int(limit), peak
+
+
+def test_a_handed_lease_that_cannot_be_confirmed_is_not_leaked(pg: Db) -> None:
+    """A fair waiter handed the lease at the end of its wait must renew it before use (it was
+    handed a while ago). When that extend goes unanswered, the wait raises DatabaseUnavailable
+    and the lease, ours in the database, is ended in the background, not left until its TTL."""
+    t = pg.table
+    # The fault: the first extend of the lock row stalls on the server past the call's bound.
+    pg.query(f"CREATE SEQUENCE {t}_once")
+    pg.query(f"""CREATE FUNCTION {t}_stall() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.owner = OLD.owner AND NEW.expires_at > OLD.expires_at AND nextval('{t}_once') = 1 THEN
+                PERFORM pg_sleep(0.8);
+            END IF;
+            RETURN NEW;
+        END $$""")
+    pg.query(f"CREATE TRIGGER {t}_stall BEFORE UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION {t}_stall()")
+    holder = pg.locker().try_acquire("job", ttl=60)
+    assert holder is not None
+    # Polling, and rarely: the waiter looks once, then only at the end of its wait.
+    waiter = pg.locker(notify=False, poll_min=60, poll_max=60, op_timeout=0.5)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            waiter.acquire("job", ttl=2, timeout=1.5)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    wait_for(lambda: pg.query(f"SELECT count(*) FROM {t}_waiters")[0][0] == 1, what="the waiter to queue")
+    assert holder.release() is True  # handed to the waiter, who is not looking
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], DatabaseUnavailable), errors
+    ((token,),) = pg.query(f"SELECT token FROM {t} WHERE name = 'job'")
+    assert token > holder.token  # the release handed it over (to the waiter, who never confirmed it)
+    wait_for(lambda: pg.query(f"SELECT owner FROM {t} WHERE name = 'job'") == [(None,)],
+             what="the unconfirmed lease to be ended in the background")
