@@ -147,6 +147,36 @@ def run(conn: Any, lines: list[Line], rounds: int, calls: int) -> dict[tuple[str
     }
 
 
+def _listeners(conn: Any, dsn: str, line: Line, rounds: int, calls: int, count: int) -> tuple[float, float] | None:
+    """Median hand-off time without and with ``count`` other sessions LISTENing, rounds interleaved.
+
+    PostgreSQL signals every session LISTENing in the database when a transaction that
+    NOTIFYs commits, whatever their channels; each dblock process waiting on a fair lock
+    has one such session (its listener)."""
+    import psycopg
+
+    if count <= 0:
+        return None
+    others = [psycopg.connect(dsn, autocommit=True) for _ in range(count)]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for r in range(-1, rounds):
+            for crowd in (False, True):
+                for other in others:
+                    other.execute(f"LISTEN dblock_{secrets.token_hex(8)}" if crowd else "UNLISTEN *")
+                for _ in range(calls):
+                    sql, binds = line.params("hand-off")
+                    start = time.perf_counter()
+                    rows = conn.execute(sql, binds, prepare=True).fetchall()
+                    if r >= 0:
+                        times[crowd].append((time.perf_counter() - start) * 1e6)
+                    line.after("hand-off", binds, rows)
+    finally:
+        for other in others:
+            other.close()
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def _rows_after_explain(conn: Any, line: Line, op: str, binds: dict[str, Any]) -> list[Any]:
     """What the call run under EXPLAIN returned, read back from the tables (EXPLAIN shows no rows)."""
     if op == "join":
@@ -166,6 +196,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,1000,100000", help="comma-separated line lengths")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=100, help="calls per operation, line and round")
+    ap.add_argument(
+        "--listeners", type=int, default=50,
+        help="then time the hand-off on the shortest line with this many other sessions LISTENing (0: skip)",
+    )
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     server = None
@@ -198,6 +232,7 @@ def main() -> None:
             lines = [Line(conn, locker._sql, table, size) for size in sizes]
             conn.execute(f"ANALYZE {table}_waiters")
             results = run(conn, lines, args.rounds, args.calls)
+            listening = _listeners(conn, dsn, lines[0], args.rounds, args.calls, args.listeners)
     finally:
         locker.close()
         migrate.downgrade(locker.engine, table, None)
@@ -218,6 +253,13 @@ def main() -> None:
             r, base = results[(op, s)], results[(op, first)]
             cells.append(f"{r['us']:.0f} ({r['us'] / base['us']:.2f}x) / {r['buffers']:.0f}")
         print(f"| {op} | {' | '.join(cells)} |")
+    if listening:
+        alone, crowd = listening
+        print(
+            f"hand-off on the line of {first:,} with {args.listeners} other sessions LISTENing (other channels): "
+            f"{crowd:.0f} us against {alone:.0f} us with none ({crowd / alone:.2f}x; "
+            f"{(crowd - alone) / args.listeners:.1f} us per listening session)"
+        )
     print(json.dumps({f"{op} {s}": results[(op, s)] for op in OPS for s in sizes}), file=sys.stderr)
 
 

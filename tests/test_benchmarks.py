@@ -21,7 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("waiters.py", ["--sizes", "2x2,3x2/2", "--settle", "0.2", "--seconds", "0.5", "--rounds", "1", "--breakdown", "4"]),
         ("many_names.py", ["--names", "200", "--chunk", "50"]),
         ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
-        ("queue_ops.py", ["--sizes", "3,30", "--rounds", "1", "--calls", "3"]),
+        ("queue_ops.py", ["--sizes", "3,30", "--rounds", "1", "--calls", "3", "--listeners", "2"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
