@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy.engine import URL, Engine
 
@@ -32,6 +32,9 @@ from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewer
 from .schema import DEFAULT_TABLE, LABEL_LENGTH
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -55,6 +58,9 @@ class Locker:
     an existing ``Engine``, or None for the embedded default: a per-user SQLite
     file (see ``dblock.schema.default_sqlite_path``) whose table dblock creates
     on first use. Make one Locker per database and share it between threads.
+    A psycopg2 or asyncpg URL or engine (also an ``AsyncEngine``) works too:
+    dblock opens its own psycopg 3 connections from its URL, and ``engine`` is
+    then a psycopg 3 engine dblock made (disposed of by ``close``).
 
     ``label`` is written next to each lease this Locker grants so that an
     operator can tell who holds it (``dblock status``); by default
@@ -84,7 +90,7 @@ class Locker:
 
     def __init__(
         self,
-        url: str | URL | Engine | None = None,
+        url: str | URL | Engine | AsyncEngine | None = None,
         *,
         table: str = DEFAULT_TABLE,
         schema: str | None = None,
@@ -120,7 +126,7 @@ class Locker:
             raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
         if not 1 <= max_connections <= 1000:
             raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
-        self.engine, self._needs_migration = engine_for(url)
+        self.engine, self._needs_migration, self._own_engine = engine_for(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
@@ -569,6 +575,8 @@ class Locker:
         if self._listener is not None:
             self._listener.close()
         self._driver.close()
+        if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
+            self.engine.dispose()
 
     def __enter__(self) -> Locker:
         return self
