@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
@@ -35,6 +35,9 @@ from .schema import DEFAULT_TABLE, LABEL_LENGTH
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -500,6 +503,30 @@ class Locker:
             renew,
             on_lost,
         )
+
+    def locked(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """``@locker.locked("report-{customer_id}", ttl=60)``: each call runs holding the lock.
+
+        Works on functions and coroutine functions. ``name`` may name the
+        function's arguments (``str.format`` fields, defaults applied); a field
+        that names no parameter is refused here, when the function is decorated.
+        A call acquires as ``lock`` does, waiting up to ``timeout``, and raises
+        ``LockNotAcquired`` without running the function if the lock stays
+        held (``timeout=0``: at once). Inside, ``dblock.current_lease()`` is
+        the lease (its token fences writes). Coroutine functions acquire and
+        release on a worker thread, so the event loop never waits for the database.
+        """
+        from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
+
+        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
 
     def _attempt(
         self, name: str, owner: str, ttl: float, deadline: float | None = None, *, waiting: bool = False
