@@ -568,6 +568,18 @@ class Locker:
         rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
         return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
 
+    def waiters(self) -> dict[str, int]:
+        """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
+
+        Counts live waiters of every Locker on this table, in any process. Empty
+        on SQLite, which has no queue (its waiters poll and leave no trace).
+        """
+        if self._sql.waiters is None:
+            return {}
+        self._ensure_schema()
+        rows = self._driver.run(self._sql.waiters, {}, deadline=self._deadline()).rows
+        return {name: count for name, count in rows}
+
     def force_release(self, lease: LeaseInfo) -> bool:
         """End someone else's lease, as an operator: ``lease`` is a row of ``leases()``.
 
