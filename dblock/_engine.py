@@ -21,6 +21,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from ._driver import SQLITE_BUSY_TIMEOUT_MS
+from ._redact import display_url  # a password in the query (?password=) is masked too
 from .schema import prepare_default_sqlite_path
 
 
@@ -31,6 +32,7 @@ CONVERTED = ("psycopg2", "asyncpg", "psycopg_async")
 _ASYNCPG_ARGUMENTS: dict[str, str | None] = {
     "host": "host",  # SQLAlchemy's host list (host=a:5432&host=b:5432), read alike by both dialects
     "target_session_attrs": "target_session_attrs",
+    "password": "password",
     "ssl": "sslmode",
     "sslmode": "sslmode",
     "prepared_statement_cache_size": None,
@@ -78,7 +80,7 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
     try:
         return create_engine(parsed, poolclass=NullPool), False, True
     except (NoSuchModuleError, ArgumentError) as exc:
-        raise ValueError(f"cannot use {parsed.render_as_string(hide_password=True)}: {exc}") from None
+        raise ValueError(f"cannot use {display_url(parsed)}: {exc}") from None
 
 
 def use_wal(engine: Engine) -> None:
@@ -113,7 +115,7 @@ def psycopg_url(url: URL) -> URL:
         for key, value in url.query.items():
             if key not in _ASYNCPG_ARGUMENTS:
                 raise ValueError(
-                    f"dblock opens psycopg connections from the asyncpg URL {url.render_as_string(hide_password=True)},"
+                    f"dblock opens psycopg connections from the asyncpg URL {display_url(url)},"
                     f" and knows no libpq equivalent of its argument {key!r}: give dblock a postgresql+psycopg:// URL"
                 )
             renamed = _ASYNCPG_ARGUMENTS[key]
@@ -126,7 +128,7 @@ def psycopg_url(url: URL) -> URL:
     try:
         make_conninfo(**libpq)  # libpq parses it: an unknown keyword is refused here
     except psycopg.ProgrammingError as exc:
-        raise ValueError(f"{url.render_as_string(hide_password=True)}: {exc}") from None
+        raise ValueError(f"{display_url(url)}: {exc}") from None
     return url.set(drivername="postgresql+psycopg", query=query)
 
 

@@ -111,6 +111,7 @@ def test_asyncpg_url_arguments_become_libpq_ones() -> None:
         ("postgresql+asyncpg://app:pw@db.invalid/app?command_timeout=5", ["command_timeout", "postgresql+psycopg://"]),
         ("postgresql+asyncpg://app:pw@db.invalid/app?ssl=yes-please", ["ssl='yes-please'", "verify-full"]),
         ("postgresql+psycopg2://app:pw@db.invalid/app?sslmod=require", ["sslmod", "invalid connection option"]),
+        ("postgresql+asyncpg://app@db.invalid/app?password=pw&timeout=3", ["'timeout'", "password=***"]),
         ("postgresql+pg8000://app:pw@db.invalid/app", ["postgresql+psycopg2://", "pg8000"]),
     ],
 )
@@ -119,5 +120,5 @@ def test_arguments_without_a_libpq_meaning_are_refused_before_connecting(url: st
     with pytest.raises(ValueError) as info:
         Locker(url)
     assert all(w in str(info.value) for w in words), str(info.value)
-    assert ":pw@" not in str(info.value)
+    assert ":pw@" not in str(info.value) and "=pw" not in str(info.value)
     assert time.monotonic() - started < 1  # no connection was tried (db.invalid would take longer to fail)
