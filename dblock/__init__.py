@@ -22,11 +22,13 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseInfo
     from .locker import Locker
 
 _LAZY = {
+    "current_lease": ".decorator",
     "check_lease": ".fencing",
     "commit_guard": ".fencing",
     "fence": ".fencing",
@@ -53,6 +55,7 @@ __all__ = [
     "SchemaMissing",
     "check_lease",
     "commit_guard",
+    "current_lease",
     "fence",
     "fenced",
     "fenced_read",

@@ -13,6 +13,36 @@ MAX_TTL = 366 * 24 * 3600.0  # a year; longer is almost certainly a unit mistake
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,52}$")
 
 
+# Units for reading durations (the CLI's "90s", "5m") and for printing them.
+UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h|d)?\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"90"``, ``"90s"``, ``"1.5m"``, ``"2h"``, ``"1d"``, ``"250ms"`` or ``"inf"``."""
+    try:
+        return float(text)  # plain seconds, as before: 30, 0.5, 1e3, inf (and -1, NaN: the checks refuse them)
+    except ValueError:
+        pass
+    match = _DURATION.match(text)
+    if match is None:
+        raise ValueError(f"not a duration: {text!r} (e.g. 30, 90s, 5m, 1h, 1d, 250ms)")
+    return float(match.group(1)) * UNITS[match.group(2) or "s"]
+
+
+def human_seconds(seconds: float) -> str:
+    """A duration as people write it: ``1 ms``, ``45 s``, ``90 s``, ``5 min``, ``2.5 h``, ``366 days``."""
+    if math.isinf(seconds):
+        return "for ever" if seconds > 0 else "-inf"
+    size = abs(seconds)
+    if size == 0:
+        return "0 s"
+    for limit, unit, name in ((1, 0.001, "ms"), (120, 1, "s"), (7200, 60, "min"), (172800, 3600, "h")):
+        if size < limit:
+            return f"{round(seconds / unit, 1):g} {name}"
+    return f"{round(seconds / 86400, 1):g} days"
+
+
 def _number(value: object, what: str) -> float:
     # bool is an int subclass; True as a TTL is a bug, not one second.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -47,7 +77,7 @@ def check_name(name: object) -> str:
 def check_ttl(ttl: object) -> float:
     number = _number(ttl, "ttl")
     if not MIN_TTL <= number <= MAX_TTL:
-        raise ValueError(f"ttl must be between {MIN_TTL:g} and {MAX_TTL:g} seconds, not {number:g}")
+        raise ValueError(f"ttl must be between {human_seconds(MIN_TTL)} and {human_seconds(MAX_TTL)}, not {human_seconds(number)}")
     return number
 
 
@@ -55,14 +85,14 @@ def check_timeout(timeout: object) -> float:
     """A wait in seconds: 0 tries once, ``math.inf`` waits for ever."""
     number = _number(timeout, "timeout")
     if number < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (math.inf waits for ever), not {number:g}")
+        raise ValueError(f"timeout must be >= 0 seconds (math.inf waits for ever), not {human_seconds(number)}")
     return number
 
 
 def check_interval(value: object, what: str) -> float:
     number = _number(value, what)
     if not 0 < number <= 60:
-        raise ValueError(f"{what} must be between 0 (exclusive) and 60 seconds, not {number:g}")
+        raise ValueError(f"{what} must be more than 0 and at most 60 s, not {human_seconds(number)}")
     return number
 
 

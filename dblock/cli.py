@@ -1,12 +1,13 @@
 """The ``dblock`` command: run a command under a lock, list and break leases, migrate.
 
-    dblock run NAME [--ttl S] [--wait S] [--grace S] -- CMD [ARGS...]
+    dblock run NAME [--ttl T] [--wait T] [--grace T] -- CMD [ARGS...]
     dblock status [NAME] [--json]
     dblock release NAME --force [--yes]
     dblock migrate [--sql]
 
 ``--url`` (or ``$DBLOCK_URL``) picks the database; with neither, the embedded
 SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
+Durations are seconds, or carry a unit: ``250ms``, ``90s``, ``5m``, ``1h``, ``1d``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from types import FrameType
 from typing import Any, Callable, Sequence
@@ -31,8 +33,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ._process import describe_process
 from ._redact import display_url, redact
-from ._validate import check_identifier, check_name, check_timeout, check_ttl
-from .errors import DBLockError, LockNotAcquired
+from . import __version__
+from ._validate import check_identifier, check_name, check_timeout, check_ttl, human_seconds, parse_duration
+from .errors import DBLockError, LockNotAcquired, PermissionDenied
 from .lease import Lease, LeaseInfo
 from .locker import Locker
 from .renew import Overdue, call_within
@@ -94,13 +97,7 @@ def _typed(check: Callable[[Any], Any], convert: Callable[[str], Any] = float) -
 
 
 def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
-    def number(text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"not a number of seconds: {text!r}") from None
-
-    return _typed(check, number)
+    return _typed(check, parse_duration)
 
 
 _NAME = _typed(check_name, str)
@@ -124,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"dblock {__version__}")
     _database_options(parser, None)
     # The same options after the command name; SUPPRESS keeps them from
     # overwriting the ones given before it.
@@ -135,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         allow_abbrev=False,
-        usage="dblock run NAME [--ttl S] [--wait S] [--grace S] [options] -- CMD [ARGS...]",
+        usage="dblock run NAME [--ttl T] [--wait T] [--grace T] [options] -- CMD [ARGS...]",
         help="run a command while holding a lock",
         description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
         "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
@@ -144,16 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("name", type=_NAME, help="the lock's name")
     run.add_argument("--ttl", type=_seconds(check_ttl), default=DEFAULT_TTL,
-                     help=f"lease length in seconds, renewed every ttl/3 (default: {DEFAULT_TTL:g})")
+                     help=f"lease length (30, 90s, 5m, 1h...), renewed every ttl/3 (default: {DEFAULT_TTL:g}s)")
     run.add_argument("--wait", type=_seconds(check_timeout), default=0.0,
-                     help=f"seconds to wait for a busy lock ('inf': for ever; default: 0, exit {EXIT_BUSY} at once)")
+                     help=f"how long to wait for a busy lock ('inf': for ever; default: 0, exit {EXIT_BUSY} at once); "
+                     "on a terminal, says who holds it and when it is got")
     run.add_argument("--grace", type=_seconds(check_timeout), default=DEFAULT_GRACE,
-                     help=f"if the lease is lost: seconds between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g})")
+                     help=f"if the lease is lost: time between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g}s)")
     run.set_defaults(handler=_run, parser=run)
 
     status = commands.add_parser(
         "status", parents=[common], allow_abbrev=False, help="list the leases held now",
-        description="List the leases held now: name, owner label, token, time left (by the database clock).",
+        description="List the leases held now: name, owner label, token, how long it has been held and how "
+        "long it has left (by the database clock), and how many wait for it (PostgreSQL's fair queue).",
     )
     status.add_argument("name", nargs="?", type=_NAME, help=f"only this lock (exit {EXIT_NOT_HELD} if it is not held)")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -211,8 +211,13 @@ def _main(argv: list[str]) -> int:
     if "--" in argv:
         at = argv.index("--")
         argv, command = argv[:at], argv[at + 1 :]
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     sub: argparse.ArgumentParser = args.parser
+    if extra and args.command == "run" and command is None and not extra[0].startswith("-"):
+        # `dblock run NAME CMD ARGS`: the most likely slip, answered with the fix.
+        sub.error(f"put -- before the command to run: dblock run {args.name} -- {' '.join(extra)}")
+    if extra:
+        parser.parse_args(argv)  # argparse's own error for what it does not know
     if args.command == "run":
         if not command:
             sub.error("give the command to run after --, e.g. dblock run NAME -- CMD ARGS...")
@@ -340,24 +345,42 @@ def _die_with(supervisor: int) -> Callable[[], None] | None:
 
 
 def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:
-    if args.wait == 0:
+    started = time.monotonic()
+    if args.wait == 0 or sys.stderr.isatty():
         # One attempt; on SQLite it still waits (briefly) for another writer to finish.
-        return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost)
+        lease = locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost)
+        if lease is not None or args.wait == 0:
+            return lease
+        # On a terminal someone is watching: say why nothing happens, and when it does.
+        print(f"dblock: waiting up to {human_seconds(args.wait)} for lock {args.name!r}{_holder(locker, args.name)}",
+              file=sys.stderr)
     try:
-        return locker.acquire(args.name, ttl=args.ttl, timeout=args.wait, renew=True, on_lost=on_lost)
+        lease = locker.acquire(
+            args.name, ttl=args.ttl, timeout=max(0.0, args.wait - (time.monotonic() - started)), renew=True,
+            on_lost=on_lost,
+        )
     except LockNotAcquired:
         return None
+    if sys.stderr.isatty():
+        print(f"dblock: got lock {args.name!r} after {human_seconds(time.monotonic() - started)} (token {lease.token})",
+              file=sys.stderr)
+    return lease
 
 
-def _busy(locker: Locker, name: str, waited: float) -> str:
-    what = f"lock {name!r} is busy" if waited == 0 else f"lock {name!r} stayed busy for {waited:g} s"
+def _holder(locker: Locker, name: str) -> str:
+    """``: held by LABEL (token N, 12 s left)``, or nothing if it cannot be told (released meanwhile, an error)."""
     try:
         holder = next((i for i in locker.leases() if i.name == name), None)
     except DBLockError:
         holder = None
-    if holder is not None:
-        what += f": held by {holder.label or holder.owner} (token {holder.token}, {holder.remaining:.1f} s left)"
-    return what + "; not running the command"
+    if holder is None:
+        return ""
+    return f": held by {_shown(holder.label or holder.owner)} (token {holder.token}, {human_seconds(holder.remaining)} left)"
+
+
+def _busy(locker: Locker, name: str, waited: float) -> str:
+    what = f"lock {name!r} is busy" if waited == 0 else f"lock {name!r} stayed busy for {human_seconds(waited)}"
+    return what + _holder(locker, name) + "; not running the command"
 
 
 def _supervise(child: subprocess.Popen[bytes], lease: Lease, wake: threading.Event, args: argparse.Namespace) -> int:
@@ -378,7 +401,7 @@ def _supervise(child: subprocess.Popen[bytes], lease: Lease, wake: threading.Eve
               file=sys.stderr)
         child.terminate()
         if not done.wait(args.grace):
-            print(f"dblock: the command did not stop within {args.grace:g} s; sending SIGKILL", file=sys.stderr)
+            print(f"dblock: the command did not stop within {human_seconds(args.grace)}; sending SIGKILL", file=sys.stderr)
             child.kill()
             done.wait()
         return EXIT_LOST
@@ -395,11 +418,12 @@ def _release_quietly(lease: Lease) -> None:
     try:
         call_within(lease.release, min(lease.ttl, 30.0), "dblock-release")
     except Overdue:
-        print(f"dblock: could not release {lease.name!r} in time; it expires within {lease.ttl:g} s", file=sys.stderr)
+        print(f"dblock: could not release {lease.name!r} in time; it expires within {human_seconds(lease.ttl)}",
+              file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - reported; the lease expires at its TTL
         if not lease.lost.is_set():
-            print(f"dblock: could not release {lease.name!r} ({_first_line(exc)}); it expires within {lease.ttl:g} s",
-                  file=sys.stderr)
+            print(f"dblock: could not release {lease.name!r} ({_first_line(exc)}); it expires within "
+                  f"{human_seconds(lease.ttl)}", file=sys.stderr)
 
 
 def _terminal_signals_our_group() -> bool:
@@ -414,17 +438,31 @@ def _terminal_signals_our_group() -> bool:
 
 # -- dblock status / release / migrate -------------------------------------------
 def _status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    infos = [] if _nothing_there(args) else _locker(args, parser).leases()
+    infos: list[LeaseInfo] = []
+    waiters: dict[str, int] | None = {}  # None: this role may not read the queue
+    if not _nothing_there(args):
+        locker = _locker(args, parser)
+        infos = locker.leases()
+        if infos:
+            try:
+                waiters = locker.waiters()  # a second read: the count may be a moment newer than the leases
+            except PermissionDenied:  # a monitoring role granted SELECT on the lock table only
+                waiters = None
     if args.name is not None:
         infos = [i for i in infos if i.name == args.name]
     if args.json:
-        print(json.dumps([_as_json(i) for i in infos], indent=2))
+        print(json.dumps([_as_json(i, None if waiters is None else waiters.get(i.name, 0)) for i in infos], indent=2))
     elif infos:
-        rows = [("NAME", "OWNER", "TOKEN", "EXPIRES IN")]
-        rows += [(_shown(i.name), _shown(i.label or i.owner), str(i.token), f"{i.remaining:.1f}s") for i in infos]
-        widths = [max(len(r[c]) for r in rows) for c in range(3)]
+        rows = [("NAME", "OWNER", "TOKEN", "HELD FOR", "EXPIRES IN", "WAITERS")]
+        rows += [
+            (_shown(i.name), _shown(i.label or i.owner), str(i.token), _span(_held_for(i)), _span(i.remaining),
+             "-" if waiters is None else str(waiters.get(i.name, 0)))
+            for i in infos
+        ]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         for r in rows:
-            print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}")
+            print(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  "
+                  f"{r[4]:>{widths[4]}}  {r[5]:>{widths[5]}}".rstrip())
     elif args.name is not None:
         print(f"{_shown(args.name)} is not held")
     else:
@@ -432,7 +470,17 @@ def _status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_NOT_HELD if args.name is not None and not infos else 0
 
 
-def _as_json(info: LeaseInfo) -> dict[str, Any]:
+def _held_for(info: LeaseInfo) -> float:
+    """Seconds since the grant, by the database clock: its now is expires_at - remaining."""
+    return max(0.0, (info.expires_at - info.acquired_at).total_seconds() - info.remaining)
+
+
+def _span(seconds: float) -> str:
+    """A table cell: ``52.3s`` up to two minutes, then ``5min``, ``2.5h``, ``3days``."""
+    return f"{seconds:.1f}s" if seconds < 120 else human_seconds(seconds).replace(" ", "")
+
+
+def _as_json(info: LeaseInfo, waiters: int | None) -> dict[str, Any]:
     return {
         "name": info.name,
         "label": info.label,
@@ -441,6 +489,8 @@ def _as_json(info: LeaseInfo) -> dict[str, Any]:
         "acquired_at": info.acquired_at.isoformat(),
         "expires_at": info.expires_at.isoformat(),
         "expires_in": round(info.remaining, 3),
+        "held_for": round(_held_for(info), 3),
+        "waiters": waiters,
     }
 
 
@@ -454,7 +504,7 @@ def _release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"dblock: {args.name!r} is not held; nothing to release", file=sys.stderr)
         return EXIT_NOT_HELD
     (info,) = infos
-    who = f"{_shown(info.label or info.owner)} (token {info.token}, {info.remaining:.1f} s left)"
+    who = f"{_shown(info.label or info.owner)} (token {info.token}, {human_seconds(info.remaining)} left)"
     if not args.yes:
         sys.stderr.write(f"Break the lease on {info.name!r} held by {who}? [y/N] ")
         sys.stderr.flush()

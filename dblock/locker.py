@@ -11,7 +11,7 @@ import threading
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
@@ -32,6 +32,12 @@ from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewer
 from .schema import DEFAULT_TABLE, LABEL_LENGTH
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
@@ -55,6 +61,9 @@ class Locker:
     an existing ``Engine``, or None for the embedded default: a per-user SQLite
     file (see ``dblock.schema.default_sqlite_path``) whose table dblock creates
     on first use. Make one Locker per database and share it between threads.
+    A psycopg2 or asyncpg URL or engine (also an ``AsyncEngine``) works too:
+    dblock opens its own psycopg 3 connections from its URL, and ``engine`` is
+    then a psycopg 3 engine dblock made (disposed of by ``close``).
 
     ``label`` is written next to each lease this Locker grants so that an
     operator can tell who holds it (``dblock status``); by default
@@ -84,7 +93,7 @@ class Locker:
 
     def __init__(
         self,
-        url: str | URL | Engine | None = None,
+        url: str | URL | Engine | AsyncEngine | None = None,
         *,
         table: str = DEFAULT_TABLE,
         schema: str | None = None,
@@ -120,7 +129,7 @@ class Locker:
             raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
         if not 1 <= max_connections <= 1000:
             raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
-        self.engine, self._needs_migration = engine_for(url)
+        self.engine, self._needs_migration, self._own_engine = engine_for(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
         where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
@@ -495,6 +504,30 @@ class Locker:
             on_lost,
         )
 
+    def locked(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """``@locker.locked("report-{customer_id}", ttl=60)``: each call runs holding the lock.
+
+        Works on functions and coroutine functions. ``name`` may name the
+        function's arguments (``str.format`` fields, defaults applied); a field
+        that names no parameter is refused here, when the function is decorated.
+        A call acquires as ``lock`` does, waiting up to ``timeout``, and raises
+        ``LockNotAcquired`` without running the function if the lock stays
+        held (``timeout=0``: at once). Inside, ``dblock.current_lease()`` is
+        the lease (its token fences writes). Coroutine functions acquire and
+        release on a worker thread, so the event loop never waits for the database.
+        """
+        from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
+
+        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
     def _attempt(
         self, name: str, owner: str, ttl: float, deadline: float | None = None, *, waiting: bool = False
     ) -> Attempt:
@@ -535,6 +568,18 @@ class Locker:
         rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
         return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
 
+    def waiters(self) -> dict[str, int]:
+        """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
+
+        Counts live waiters of every Locker on this table, in any process. Empty
+        on SQLite, which has no queue (its waiters poll and leave no trace).
+        """
+        if self._sql.waiters is None:
+            return {}
+        self._ensure_schema()
+        rows = self._driver.run(self._sql.waiters, {}, deadline=self._deadline()).rows
+        return {name: count for name, count in rows}
+
     def force_release(self, lease: LeaseInfo) -> bool:
         """End someone else's lease, as an operator: ``lease`` is a row of ``leases()``.
 
@@ -569,6 +614,8 @@ class Locker:
         if self._listener is not None:
             self._listener.close()
         self._driver.close()
+        if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
+            self.engine.dispose()
 
     def __enter__(self) -> Locker:
         return self

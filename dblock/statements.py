@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Dialect
 
-from .schema import procs_table_name, queue_function_names, token_sequence_name
+from .schema import procs_table_name, queue_function_names, token_sequence_name, waiters_table_name
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class Statements:
     cancel: str | None = None  # PostgreSQL only: leave the queue
     beat: str | None = None  # PostgreSQL only: this process's waiters are alive
     owned: str | None = None  # SQLite only: the token owner holds (PostgreSQL uses cancel)
+    waiters: str | None = None  # PostgreSQL only: how many wait in each name's fair queue
 
 
 def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
@@ -40,14 +41,16 @@ def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
         enqueue, handoff, cancel = (prefix + quote(n) for n in queue_function_names(table))
         return _postgresql(
             qualified, prefix + quote(token_sequence_name(table)), prefix + quote(procs_table_name(table)),
-            enqueue, handoff, cancel,
+            enqueue, handoff, cancel, prefix + quote(waiters_table_name(table)),
         )
     if dialect.name == "sqlite":
         return _sqlite(qualified)
     raise ValueError(f"dblock has no statements for the {dialect.name} dialect")
 
 
-def _postgresql(t: str, seq: str, procs: str, enqueue_fn: str, handoff_fn: str, cancel_fn: str) -> Statements:
+def _postgresql(
+    t: str, seq: str, procs: str, enqueue_fn: str, handoff_fn: str, cancel_fn: str, queue: str
+) -> Statements:
     # A new expiry: from the moment it is computed, no earlier than the client's
     # send time, from which the client trusts the lease (G5).
     ttl = "clock_timestamp() + %(ttl)s * interval '1 second'"
@@ -204,9 +207,19 @@ WITH b AS (
     RETURNING id
 )
 SELECT set_config('synchronous_commit', 'off', true) FROM b"""
+    # waiters (operators: dblock status)
+    # binds: none
+    # returns a row per name with live waiters: name, count. Live as the hand-off
+    #   judges it, less the listener-session check: the waiter's own deadline has
+    #   not passed and its process's heartbeat row is fresh. Reads only.
+    #   Zero rows: nobody waits.
+    waiters = f"""
+SELECT w.name, count(*)::int FROM {queue} AS w JOIN {procs} AS p ON p.id = w.proc
+WHERE p.until > now() AND (w.until IS NULL OR w.until > now())
+GROUP BY w.name"""
     return Statements(
         "postgresql", acquire, None, release, released, extend, extend_many, leases, prune, prune_lock, enqueue, cancel,
-        beat=beat,
+        beat=beat, waiters=waiters,
     )
 
 

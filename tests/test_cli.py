@@ -6,10 +6,12 @@ import json
 import os
 import pty
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -234,7 +236,7 @@ def test_a_command_that_ignores_sigterm_is_killed_after_the_grace(embedded: Cli,
     assert cli("release", "job", "--force", "--yes").returncode == 0
     code, _, err = finish(holder)
     assert code == EXIT_LOST, err
-    assert "did not stop within 0.2 s; sending SIGKILL" in err
+    assert "did not stop within 200 ms; sending SIGKILL" in err  # --grace 0.2, said as people say it
 
 
 def test_lease_lost_while_the_database_is_silent_stops_the_command(pg: Db, tmp_path: Path) -> None:
@@ -343,18 +345,19 @@ def test_status_table_and_json(cli: Cli, tmp_path: Path) -> None:
     table = cli("status")
     assert table.returncode == 0, table
     header, row = table.stdout.splitlines()
-    assert header.split() == ["NAME", "OWNER", "TOKEN", "EXPIRES", "IN"]
-    assert row.startswith("nightly-report  ") and f"  {token}  " in row and row.endswith("s")
+    assert header.split() == ["NAME", "OWNER", "TOKEN", "HELD", "FOR", "EXPIRES", "IN", "WAITERS"]
+    assert row.startswith("nightly-report  ") and f"  {token}  " in row
     assert f"{socket.gethostname()}:{holder.pid} " in row and "python" in row  # who to look for
+    held, left, waiters = row.rsplit(None, 3)[1:]
     # Renewed every ttl/3, so 20-30 s are left, less what a loaded machine takes between calls.
-    assert 15 < float(row.rsplit(None, 1)[1].rstrip("s")) <= 30
+    assert 15 < float(left.rstrip("s")) <= 30 and 0 <= float(held.rstrip("s")) < 15 and waiters == "0"
 
     one = cli("status", "nightly-report", "--json")
     assert one.returncode == 0
     (info,) = json.loads(one.stdout)
     assert info["name"] == "nightly-report" and info["token"] == token
     assert info["label"].startswith(f"{socket.gethostname()}:{holder.pid} ") and len(info["owner"]) == 32
-    assert 15 < info["expires_in"] <= 30
+    assert 15 < info["expires_in"] <= 30 and 0 <= info["held_for"] < 15 and info["waiters"] == 0
     assert info["expires_at"] > info["acquired_at"]
 
     other = cli("status", "other")
@@ -518,6 +521,8 @@ def test_status_json_is_exact_and_a_password_in_the_query_is_never_printed(pg_cl
             pass  # assert "&password=***' " in infos["app-nightly-2"]["label"]  # masked when the holder wrote it
             table = cli("status", "--url", given, "--table", cli.db.table)
             assert table.returncode == 0 and table.stdout.splitlines()[1].startswith("app-nightly  "), table
+            # SELECT on the lock table alone: no waiter count ("-", null), and no error.
+            assert table.stdout.splitlines()[1].endswith(" -") and infos["app-nightly"]["waiters"] is None
             for out in (status, table):
                 assert "password=app" not in out.stdout + out.stderr and ":app@" not in out.stdout + out.stderr
     finally:
@@ -583,4 +588,123 @@ def test_bad_arguments_leave_a_held_lock_alone(pg_cli: Cli, tmp_path: Path) -> N
         assert cli(*args).returncode == 2
     assert cli.db.rows()[0][:3] == before[0][:3]  # same holder, same token (the expiry moves: renewal)
     (tmp_path / "w" / "stop").touch()
+    assert finish(holder)[0] == 0
+
+
+# -- durations, --version, hints, waiting on a terminal, status's extra columns -----
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import dblock
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"dblock {dblock.__version__}\n"
+
+
+def test_durations_take_units(embedded: Cli, tmp_path: Path) -> None:
+    cli = embedded
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "2m", "--grace", "500ms")
+    info = json.loads(cli("status", "--json").stdout)[0]
+    assert 110 < info["expires_in"] <= 120  # 2m is 120 s
+    (tmp_path / "w" / "stop").touch()
+    assert finish(holder)[0] == 0
+    busy = cli.holder("busy", tmp_path / "b", "--ttl", "1h")
+    out = cli("run", "busy", "--wait", "0.3s", "--", "true")
+    assert out.returncode == EXIT_BUSY
+    # Human numbers in messages: what it waited, and what the holder has left of its hour.
+    assert "stayed busy for 300 ms: held by " in out.stderr and " min left); not running the command" in out.stderr
+    (tmp_path / "b" / "stop").touch()
+    assert finish(busy)[0] == 0
+
+
+def test_a_missing_double_dash_is_answered_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path / "home"))
+    assert main(["run", "nightly", "--ttl", "5m", "./report.sh", "--full"]) == 2
+    err = capsys.readouterr().err
+    assert "error: put -- before the command to run: dblock run nightly -- ./report.sh --full" in err
+    assert not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ttl", "1e9"], "ttl must be between 1 ms and 366 days, not 11574.1 days"),
+        (["--ttl", "0"], "ttl must be between 1 ms and 366 days, not 0 s"),
+        (["--wait", "-90"], "timeout must be >= 0 seconds (math.inf waits for ever), not -90 s"),
+        (["--ttl", "5 minutes"], "not a duration: '5 minutes' (e.g. 30, 90s, 5m, 1h, 1d, 250ms)"),
+    ],
+)
+def test_errors_say_durations_as_people_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path / "home"))
+    assert main(["run", "x", *args, "--", "true"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def _read_until(fd: int, text: str, timeout: float = 30) -> str:
+    """What a terminal shows, read until ``text`` appears."""
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{text!r} never appeared on the terminal; it showed {seen.decode(errors='replace')!r}"
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # EIO: the other end is closed
+                chunk = b""
+            if not chunk:
+                break
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_run_wait_on_a_terminal_says_who_holds_it_and_when_it_gets_it(cli: Cli, tmp_path: Path) -> None:
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "30")
+    token = int((tmp_path / "w" / "started").read_text().split()[1])
+    primary, secondary = pty.openpty()  # a real terminal as stderr
+    try:
+        waiter = subprocess.Popen(
+            cli.args("run", "job", "--wait", "1m", "--", PY, "-c", "import os; print('token', os.environ['DBLOCK_TOKEN'])"),
+            env=cli.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=secondary, text=True,
+        )
+        os.close(secondary)
+        shown = _read_until(primary, " left)\r\n")
+        assert f"dblock: waiting up to 60 s for lock 'job': held by {socket.gethostname()}:{holder.pid} " in shown
+        assert f"(token {token}, " in shown and waiter.poll() is None
+        (tmp_path / "w" / "stop").touch()
+        shown = _read_until(primary, "dblock: got lock")  # the second line, once the holder lets go
+        shown += _read_until(primary, ")\r\n")
+        out, _ = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0
+        new_token = int(out.split()[1])
+        assert f"dblock: got lock 'job' after " in shown and f"(token {new_token})" in shown and new_token > token
+    finally:
+        os.close(primary)
+    assert finish(holder)[0] == 0
+    # Not on a terminal (a pipe, a log file): nothing is said while waiting, as before.
+    quiet = cli("run", "job", "--wait", "5s", "--", "true")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_status_shows_how_long_it_was_held_and_who_waits(pg_cli: Cli, tmp_path: Path) -> None:
+    cli = pg_cli
+    holder = cli.holder("job", tmp_path / "w", "--ttl", "30")
+    waiters = [cli.start("run", "job", "--wait", "1m", "--", "true") for _ in range(2)]
+    try:
+        wait_for(lambda: json.loads(cli("status", "--json").stdout)[0]["waiters"] == 2, 30, "two waiters queued")
+        time.sleep(1.1)
+        (info,) = json.loads(cli("status", "--json").stdout)
+        assert info["waiters"] == 2 and 1 < info["held_for"] < 30
+        row = cli("status").stdout.splitlines()[1]
+        held, left, count = row.rsplit(None, 3)[1:]
+        assert count == "2" and float(held.rstrip("s")) > 1 and float(left.rstrip("s")) > 15
+        other = cli("status", "nobody")
+        assert other.returncode == EXIT_NOT_HELD
+    finally:
+        (tmp_path / "w" / "stop").touch()
+        for proc in waiters:
+            assert finish(proc)[0] == 0
     assert finish(holder)[0] == 0

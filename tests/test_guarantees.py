@@ -414,7 +414,8 @@ def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object)
     [
         "not a url",
         "mysql://root@localhost/test",
-        "postgresql+asyncpg://u@h/db",
+        "postgresql+asyncpg://u@h/db?command_timeout=5",  # asyncpg works; this argument has no libpq meaning
+        "postgresql+pg8000://u@h/db",
         "sqlite://",
         "sqlite:///:memory:",
         "nosuchdb://x",

@@ -34,6 +34,18 @@ def test_readme_api_example_runs(pg: Db) -> None:
     assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
 
 
+def test_readme_decorator_example_runs(pg: Db, capsys: pytest.CaptureFixture[str]) -> None:
+    url = 'Locker("postgresql://app@db/app")'
+    (block,) = [b for b in python_blocks() if url in b]
+    namespace: dict[str, object] = {}
+    exec(compile(block.replace(url, f"Locker({pg.url!r}, table={pg.table!r})"), "README.md", "exec"), namespace)
+    namespace["locker"].close()  # type: ignore[attr-defined]
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"daily report for 42, token \d+", lines[0]), lines
+    assert lines[1:] == ["sync-acme", "busy: report-42"]
+    assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
+
+
 def test_readme_fencing_examples_run(pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every python block of "Fencing your writes", in order, on a scratch database."""
     text = (ROOT / "README.md").read_text()
