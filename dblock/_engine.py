@@ -57,7 +57,7 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
             _check_sqlite(url.url)
             return _sqlite_engine(url.url), False, True
         if url.dialect.name == "postgresql" and url.url.get_driver_name() in CONVERTED:
-            return create_engine(psycopg_url(url.url), poolclass=NullPool), False, True
+            return _postgresql_engine(psycopg_url(url.url)), False, True
         _check_driver(url.url)
         return url, False, False
     if not isinstance(url, (str, URL)):
@@ -78,9 +78,21 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
         parsed = psycopg_url(parsed)
     _check_driver(parsed)
     try:
-        return create_engine(parsed, poolclass=NullPool), False, True
+        return _postgresql_engine(parsed), False, True
     except (NoSuchModuleError, ArgumentError) as exc:
         raise ValueError(f"cannot use {display_url(parsed)}: {exc}") from None
+
+
+# create_schema's connections (dblock's own statements bound theirs by op_timeout):
+# without a timeout libpq waits for ever on a host that accepts and then stays silent.
+SCHEMA_CONNECT_TIMEOUT = 10
+
+
+def _postgresql_engine(url: URL) -> Engine:
+    """An engine dblock makes for a PostgreSQL URL (used by ``create_schema``): its connections
+    give up connecting after ``SCHEMA_CONNECT_TIMEOUT`` s per host, unless the URL says otherwise."""
+    connect_args = {} if "connect_timeout" in url.query else {"connect_timeout": SCHEMA_CONNECT_TIMEOUT}
+    return create_engine(url, poolclass=NullPool, connect_args=connect_args)
 
 
 def use_wal(engine: Engine) -> None:

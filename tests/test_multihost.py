@@ -86,3 +86,26 @@ def test_a_silent_first_host_leaves_time_for_the_next(silent_hosts: list[int], p
         locker.close()
         dblock.migrate.downgrade(owner.engine, "multihost", None)
         owner.close()
+
+
+@pytest.mark.slow
+def test_create_schema_gives_up_on_a_silent_host(silent_hosts: list[int]) -> None:
+    """create_schema's own connection (not the statement driver's) gives up on a host that
+    accepts and then says nothing, instead of waiting for ever: 10 s unless the URL says."""
+    import threading
+
+    locker = Locker(f"postgresql+psycopg://nobody@127.0.0.1:{silent_hosts[0]}/db")
+    errors: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            locker.create_schema()
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=make, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "create_schema still waiting on a silent host after 60 s"
+    assert len(errors) == 1 and isinstance(errors[0], dblock.DatabaseUnavailable), errors
+    locker.close()
