@@ -123,21 +123,13 @@ class Driver:
             "keepalives_count": 3,
             "tcp_user_timeout": 10_000,
             **self._conninfo,
-            "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(left)),
         }
-        attempts = _host_attempts(params)
-        if attempts is None:
-            try:
-                raw = psycopg.Connection.connect(
-                    autocommit=True, prepare_threshold=5 if self.prepare else None, **params
-                )
-            except psycopg.Error as exc:
-                raise _unavailable(f"cannot connect to {self.where}: {_first_line(exc)}", exc) from exc
-            return raw
-        # Several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to find the
-        # primary): psycopg would give each host the whole connect_timeout, so three silent
+        # connect_timeout is set per host below. With several hosts (host=a,b,c, e.g. with
+        # target_session_attrs=read-write to find the primary) psycopg would give each host
+        # the whole connect_timeout, so three silent
         # hosts would take three times the call's time. Each is tried here with its share of
         # what is left, so a silent first host (a primary that went away) leaves time for the rest.
+        attempts = _host_attempts(params) or [params]
         failed: list[psycopg.Error] = []
         for i, attempt in enumerate(attempts):
             left = deadline - time.monotonic()
@@ -154,8 +146,8 @@ class Driver:
         if not failed:
             raise OutOfTime(f"no time left to connect to {self.where}")
         reasons = "; ".join(dict.fromkeys(_first_line(exc) for exc in failed))
-        tried = f"{len(failed)} of {len(attempts)} hosts"
-        raise _unavailable(f"cannot connect to {self.where} ({tried} tried): {reasons}", failed[-1]) from failed[-1]
+        tried = f" ({len(failed)} of {len(attempts)} hosts tried)" if len(attempts) > 1 else ""
+        raise _unavailable(f"cannot connect to {self.where}{tried}: {reasons}", failed[-1]) from failed[-1]
 
     def _connect_sqlite(self) -> Any:
         try:
