@@ -56,12 +56,11 @@ LINGER = 5.0
 class _Entry:
     """A renewing lease's place in the schedule."""
 
-    __slots__ = ("ref", "state", "ttl", "wake", "busy", "done", "on_lost")
+    __slots__ = ("ref", "state", "wake", "busy", "done", "on_lost")
 
     def __init__(self, lease: Lease, state: LeaseState, on_lost: OnLost | None) -> None:
         self.ref = weakref.ref(lease)
         self.state = state  # the lease's trust, which renewal reads and updates (it refers to no Lease)
-        self.ttl = lease.ttl
         self.wake = 0.0  # monotonic time of its live heap item
         self.busy = False  # an extend of it is in flight
         self.done = False  # left the schedule
@@ -168,7 +167,7 @@ class Renewer:
             if entry.done or when != entry.wake:
                 heapq.heappop(heap)  # a stale item
                 continue
-            if not core.renewal_due(when, now, entry.ttl, early=bool(batch) and not entry.busy):
+            if not core.renewal_due(when, now, entry.state.ttl, early=bool(batch) and not entry.busy):
                 break  # not due yet (nor due soon enough to join the batch going out)
             heapq.heappop(heap)
             lease = entry.ref()
