@@ -31,7 +31,7 @@ import socket
 import sqlite3
 import threading
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import psycopg
 from psycopg.conninfo import conninfo_attempts
@@ -94,8 +94,7 @@ class Driver:
         # client's session with that client's parameters.
         self.prepare = prepare
         if self.dialect == "postgresql":
-            cargs, cparams = engine.dialect.create_connect_args(engine.url)
-            self._conninfo: dict[str, Any] = {**dict(cparams), **_conninfo_args(cargs)}
+            self._params = connect_params(engine)
         self._reset()
 
     def _reset(self) -> None:
@@ -110,50 +109,22 @@ class Driver:
         """A new autocommit driver connection (outside the pool), opened before ``deadline``."""
         if self.dialect != "postgresql":
             return self._connect_sqlite()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise OutOfTime(f"no time left to connect to {self.where}")
-        params = {
-            # Where the URL sets none of its own: notice a dead peer on an idle
-            # socket (keepalives) and on a socket with unacknowledged data
-            # (tcp_user_timeout), instead of after the kernel's 15 minutes.
-            "keepalives": 1,
-            "keepalives_idle": 5,
-            "keepalives_interval": 2,
-            "keepalives_count": 3,
-            "tcp_user_timeout": 10_000,
-            **self._conninfo,
-        }
-        # connect_timeout is set per host below. With several hosts (host=a,b,c, e.g. with
-        # target_session_attrs=read-write to find the primary) psycopg would give each host
-        # the whole connect_timeout, so three silent
-        # hosts would take three times the call's time. Each is tried here with its share of
-        # what is left, so a silent first host (a primary that went away) leaves time for the rest.
-        attempts = _host_attempts(params) or [params]
         failed: list[psycopg.Error] = []
-        for i, attempt in enumerate(attempts):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            share = left / (len(attempts) - i)
+        attempts = host_attempts(self._params)
+        for kwargs in connect_plan(attempts, deadline, self.where):
             try:
                 return psycopg.Connection.connect(
-                    autocommit=True, prepare_threshold=5 if self.prepare else None,
-                    **{**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))},
+                    autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
                 )
             except psycopg.Error as exc:
                 failed.append(exc)
-        if not failed:
-            raise OutOfTime(f"no time left to connect to {self.where}")
-        reasons = "; ".join(dict.fromkeys(_first_line(exc) for exc in failed))
-        tried = f" ({len(failed)} of {len(attempts)} hosts tried)" if len(attempts) > 1 else ""
-        raise _unavailable(f"cannot connect to {self.where}{tried}: {reasons}", failed[-1]) from failed[-1]
+        raise connect_failed(self.where, failed, len(attempts))
 
     def _connect_sqlite(self) -> Any:
         try:
             fairy = self.engine.raw_connection()
         except (SQLAlchemyError, sqlite3.Error) as exc:
-            raise DatabaseUnavailable(f"cannot open {self.where}: {_first_line(exc)}") from exc
+            raise DatabaseUnavailable(f"cannot open {self.where}: {first_line(exc)}") from exc
         # Our own connection from now on: not returned to (or reset by) the engine's pool.
         raw: Any = fairy.driver_connection
         fairy.detach()
@@ -297,9 +268,9 @@ class Driver:
                     self._discard(conn)
                     self._drain()
                     if attempt == 1 and time.monotonic() < deadline:
-                        log.warning("connection to %s broke (%s); retrying once", self.where, _first_line(exc))
+                        log.warning("connection to %s broke (%s); retrying once", self.where, first_line(exc))
                         continue
-                    raise _unavailable(f"lost the connection to {self.where}: {_first_line(exc)}", exc) from exc
+                    raise unavailable(f"lost the connection to {self.where}: {first_line(exc)}", exc) from exc
                 self._checkin(conn)
                 raise self._translate(exc) from exc
             except BaseException:
@@ -341,36 +312,7 @@ class Driver:
         return cur.fetchall() if cur.description is not None else []
 
     def _translate(self, exc: Exception) -> DBLockError:
-        sqlstate = getattr(exc, "sqlstate", None)
-        if isinstance(exc, psycopg.errors.UndefinedTable) or (
-            isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
-        ):
-            return SchemaMissing(
-                f"dblock's table {self.table!r} does not exist in {self.where}: {_MISSING_SCHEMA_HINT}",
-                sqlstate=sqlstate,
-            )
-        if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)) or (
-            isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
-        ):
-            return SchemaMissing(
-                f"dblock's table {self.table!r} in {self.where} is from an older dblock ({_first_line(exc)}): "
-                f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}",
-                sqlstate=sqlstate,
-            )
-        if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-            return PermissionDenied(
-                f"{self.where}: {_first_line(exc)} (grant the privileges listed in the README's "
-                "least-privilege section)",
-                sqlstate=sqlstate,
-            )
-        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-            return Busy(f"{self.where} stayed locked by another writer for the whole time allowed")
-        if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
-            # Permanent, not an outage: a wait must not retry it until its deadline.
-            return DBLockError(f"{self.where} is not a SQLite database: {_first_line(exc)}")
-        if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
-            return DatabaseUnavailable(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
-        return DBLockError(f"{self.where}: {_first_line(exc)}", sqlstate=sqlstate)
+        return translate(exc, self.where, self.table)
 
 
 class _Watchdog:
@@ -440,6 +382,93 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
+def translate(exc: Exception, where: str, table: str) -> DBLockError:
+    """A driver error of a lock statement as dblock's own (both the sync and the asyncio driver)."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(exc, psycopg.errors.UndefinedTable) or (
+        isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
+    ):
+        return SchemaMissing(
+            f"dblock's table {table!r} does not exist in {where}: {_MISSING_SCHEMA_HINT}",
+            sqlstate=sqlstate,
+        )
+    if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)) or (
+        isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
+    ):
+        return SchemaMissing(
+            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
+            f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}",
+            sqlstate=sqlstate,
+        )
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return PermissionDenied(
+            f"{where}: {first_line(exc)} (grant the privileges listed in the README's "
+            "least-privilege section)",
+            sqlstate=sqlstate,
+        )
+    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+        return Busy(f"{where} stayed locked by another writer for the whole time allowed")
+    if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+        # Permanent, not an outage: a wait must not retry it until its deadline.
+        return DBLockError(f"{where} is not a SQLite database: {first_line(exc)}")
+    if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
+        return DatabaseUnavailable(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
+    return DBLockError(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
+
+
+def connect_params(engine: Engine) -> dict[str, Any]:
+    """psycopg connection parameters from a PostgreSQL engine's URL (the query's too)."""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    return {**dict(cparams), **_conninfo_args(cargs)}
+
+
+def host_attempts(conninfo: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parameters of each connection attempt: one per host of a multi-host URL, with
+    dblock's defaults where the URL sets none of its own: notice a dead peer on an idle
+    socket (keepalives) and on a socket with unacknowledged data (tcp_user_timeout),
+    instead of after the kernel's 15 minutes."""
+    params = {
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 10_000,
+        **conninfo,
+    }
+    return _host_attempts(params) or [params]
+
+
+def connect_plan(attempts: list[dict[str, Any]], deadline: float, where: str) -> Iterator[dict[str, Any]]:
+    """The keywords of each attempt to connect, each given its share of the time left.
+
+    With several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to
+    find the primary) psycopg would give each host the whole connect_timeout, so
+    three silent hosts would take three times the call's time. Each is tried
+    here with its share of what is left, so a silent first host (a primary that
+    went away) leaves time for the rest. Raises ``OutOfTime`` if no time is left
+    for the first one.
+    """
+    for i, attempt in enumerate(attempts):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if i == 0:
+                raise OutOfTime(f"no time left to connect to {where}")
+            return
+        share = left / (len(attempts) - i)
+        yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))}
+
+
+def connect_failed(where: str, failed: list[psycopg.Error], hosts: int) -> DBLockError:
+    """The error for a connect whose every attempt (``failed``) failed."""
+    if not failed:
+        return OutOfTime(f"no time left to connect to {where}")
+    reasons = "; ".join(dict.fromkeys(first_line(exc) for exc in failed))
+    tried = f" ({len(failed)} of {hosts} hosts tried)" if hosts > 1 else ""
+    exc = unavailable(f"cannot connect to {where}{tried}: {reasons}", failed[-1])
+    exc.__cause__ = failed[-1]
+    return exc
+
+
 def shutdown_socket(raw: Any) -> None:
     """Wake any thread blocked on ``raw``'s socket at once: it reads end-of-file.
 
@@ -476,7 +505,7 @@ def _host_attempts(params: dict[str, Any]) -> list[dict[str, Any]] | None:
         return None  # e.g. no host name resolves: let psycopg's connect report it
 
 
-def _unavailable(message: str, exc: BaseException) -> DBLockError:
+def unavailable(message: str, exc: BaseException) -> DBLockError:
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # e.g. no CONNECT on the database
         return PermissionDenied(message, sqlstate=sqlstate)
@@ -497,7 +526,7 @@ def _close(conn: _Conn) -> None:
         pass
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         exc = exc.orig
     text = str(exc).strip()

@@ -54,8 +54,7 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
         url = url.sync_engine  # an AsyncEngine (asyncpg, psycopg's async mode): dblock reads its URL
     if isinstance(url, Engine):
         if url.dialect.name == "sqlite":
-            _check_sqlite(url.url)
-            return _sqlite_engine(url.url), False, True
+            return _sqlite_engine(_pysqlite(url.url)), False, True
         if url.dialect.name == "postgresql" and url.url.get_driver_name() in CONVERTED:
             return _postgresql_engine(psycopg_url(url.url)), False, True
         _check_driver(url.url)
@@ -72,8 +71,7 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is dblock's driver
     if parsed.get_backend_name() == "sqlite":
-        _check_sqlite(parsed)
-        return _sqlite_engine(parsed), False, True
+        return _sqlite_engine(_pysqlite(parsed)), False, True
     if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in CONVERTED:
         parsed = psycopg_url(parsed)
     _check_driver(parsed)
@@ -150,6 +148,14 @@ def _check_driver(url: URL) -> None:
             f"dblock supports postgresql+psycopg://, postgresql+psycopg2://, postgresql+asyncpg:// and sqlite:///"
             f" URLs, not {url.drivername}://"
         )
+
+
+def _pysqlite(url: URL) -> URL:
+    """A SQLite URL checked, as the standard sqlite3 module's (an aiosqlite URL is the same file)."""
+    if url.get_driver_name() == "aiosqlite":
+        url = url.set(drivername="sqlite")
+    _check_sqlite(url)
+    return url
 
 
 def _check_sqlite(url: URL) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 MAX_NAME_LENGTH = 255
 MIN_TTL = 0.001  # 1 ms: below that the database rounds the lease to nothing
@@ -128,3 +129,49 @@ def check_renew(renew: object, on_lost: object) -> None:
             raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
         if not renew:
             raise ValueError("on_lost is called by renewal: pass renew=True with it")
+
+
+class Options(NamedTuple):
+    """A Locker's (or AsyncLocker's) settings, checked."""
+
+    table: str
+    schema: str | None
+    label: str | None
+    ttl: float
+    timeout: float
+    poll_min: float
+    poll_max: float
+    fair: bool
+    notify: bool
+    prepare: bool
+    op_timeout: float
+    max_connections: int
+
+
+def check_options(
+    embedded: bool, table: object, schema: object, label: object, ttl: object, timeout: object, poll_min: object,
+    poll_max: object, fair: object, notify: object, prepare: object, op_timeout: object, max_connections: object,
+) -> Options:
+    """The keyword arguments of ``Locker``/``AsyncLocker``, checked (``embedded``: no URL given)."""
+    table = check_identifier(table, "table")
+    schema = None if schema is None else check_identifier(schema, "schema")
+    if embedded and schema is not None:
+        # Checked before the engine is made, which creates the embedded default's directory.
+        raise ValueError("schema is not supported on SQLite (the embedded default); leave it None")
+    from .schema import LABEL_LENGTH  # noqa: PLC0415 - schema loads SQLAlchemy; the plain checks need not
+
+    label = None if label is None else check_text(label, "label", LABEL_LENGTH)
+    low, high = check_interval(poll_min, "poll_min"), check_interval(poll_max, "poll_max")
+    if high < low:
+        raise ValueError(f"poll_max ({poll_max:g}) must not be smaller than poll_min ({poll_min:g})")
+    for option, value in (("fair", fair), ("notify", notify), ("prepare", prepare)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
+    if not 1 <= max_connections <= 1000:
+        raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
+    return Options(
+        table, schema, label, check_ttl(ttl), check_timeout(timeout), low, high, bool(fair), bool(notify),
+        bool(prepare), check_interval(op_timeout, "op_timeout"), max_connections,
+    )

@@ -7,7 +7,7 @@ import threading
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._core import trusted_until
 from ._validate import check_ttl
@@ -46,14 +46,15 @@ class LeaseState:
 
     __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost")
 
-    def __init__(self, expires_at: datetime, ttl: float, trusted_until: float) -> None:
+    def __init__(self, expires_at: datetime, ttl: float, trusted_until: float, lost: Any = None) -> None:
         self.expires_at = expires_at  # database time, timezone-aware
         self.ttl = ttl
         # G5: trusted until (when the acquire was *sent*) + ttl on this
         # process's monotonic clock, never past the database's expiry.
         self.trusted_until = trusted_until
         self.released = False
-        self.lost = threading.Event()
+        # A threading.Event; an AsyncLease passes an asyncio.Event.
+        self.lost = threading.Event() if lost is None else lost
 
     def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
         """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""

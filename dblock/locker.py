@@ -27,11 +27,11 @@ from ._process import default_label, queue_id
 from ._process import describe_process as describe_process  # importable here as before
 from ._redact import display_url
 from ._wait import Heartbeat, Hotspot, Listener
-from ._validate import check_identifier, check_interval, check_name, check_renew, check_text, check_timeout, check_ttl
+from ._validate import check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewer
-from .schema import DEFAULT_TABLE, LABEL_LENGTH
+from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
@@ -108,27 +108,13 @@ class Locker:
         op_timeout: float = DEFAULT_OP_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
-        self.table = check_identifier(table, "table")
-        self.schema = None if schema is None else check_identifier(schema, "schema")
-        if url is None and self.schema is not None:
-            # Checked before _engine, which creates the embedded default's directory.
-            raise ValueError("schema is not supported on SQLite (the embedded default); leave it None")
-        self.label = None if label is None else check_text(label, "label", LABEL_LENGTH)
-        self.ttl = check_ttl(ttl)
-        self.timeout = check_timeout(timeout)
-        self.poll_min = check_interval(poll_min, "poll_min")
-        self.poll_max = check_interval(poll_max, "poll_max")
-        if self.poll_max < self.poll_min:
-            raise ValueError(f"poll_max ({poll_max:g}) must not be smaller than poll_min ({poll_min:g})")
-        for option, value in (("fair", fair), ("notify", notify), ("prepare", prepare)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
-        self.fair, self.notify = fair, notify
-        self.op_timeout = check_interval(op_timeout, "op_timeout")
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int):
-            raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
-        if not 1 <= max_connections <= 1000:
-            raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
+        opts = check_options(
+            url is None, table, schema, label, ttl, timeout, poll_min, poll_max, fair, notify, prepare, op_timeout,
+            max_connections,
+        )
+        self.table, self.schema, self.label, self.ttl, self.timeout = opts.table, opts.schema, opts.label, opts.ttl, opts.timeout
+        self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
+        self.op_timeout = opts.op_timeout
         self.engine, self._needs_migration, self._own_engine = engine_for(url)
         if self.engine.dialect.name == "sqlite" and self.schema is not None:
             raise ValueError("schema is not supported on SQLite; leave it None")
@@ -159,12 +145,7 @@ class Locker:
         left unchanged, needing no privilege beyond reading. Database trouble
         raises ``PermissionDenied``, ``DatabaseUnavailable`` or ``DBLockError``.
         """
-        from . import migrate  # Alembic loads only when the schema is made, not on every start
-
-        with migrate.database_errors(self.engine, self.table):
-            if self.engine.dialect.name == "sqlite":
-                use_wal(self.engine)
-            migrate.upgrade(self.engine, self.table, self.schema)
+        make_schema(self.engine, self.table, self.schema)
 
     def _ensure_schema(self) -> None:
         if self._needs_migration:
@@ -625,6 +606,16 @@ class Locker:
 
     def __repr__(self) -> str:
         return f"<Locker {self._driver.where} table={self.table!r}>"
+
+
+def make_schema(engine: Engine, table: str, schema: str | None) -> None:
+    """``create_schema`` of both faces: dblock's migrations, and WAL on SQLite."""
+    from . import migrate  # noqa: PLC0415 - Alembic loads only when the schema is made, not on every start
+
+    with migrate.database_errors(engine, table):
+        if engine.dialect.name == "sqlite":
+            use_wal(engine)
+        migrate.upgrade(engine, table, schema)
 
 
 class _LockContext:
