@@ -22,12 +22,15 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .aio import AsyncLease, AsyncLocker
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseInfo
     from .locker import Locker
 
 _LAZY = {
+    "AsyncLease": ".aio",
+    "AsyncLocker": ".aio",
     "current_lease": ".decorator",
     "check_lease": ".fencing",
     "commit_guard": ".fencing",
@@ -42,6 +45,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncLease",
+    "AsyncLocker",
     "DBLockError",
     "DatabaseUnavailable",
     "FencedOut",

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence, TypeVar
 
 # A waiting acquire's last statements (the attempt in flight at its deadline,
 # leaving the queue) may run this much past it before they are cut off.
@@ -56,6 +56,7 @@ RETRIES_PER_INTERVAL = 3
 EARLY = 1 / 6
 
 Rows = Sequence[Sequence[Any]]
+E = TypeVar("E", bound=BaseException)
 
 
 # -- rows into outcomes ---------------------------------------------------------
@@ -180,6 +181,20 @@ def lapse(poll_max: float) -> float:
 def wait_seconds(left: float) -> float | None:
     """A timeout for ``Event.wait``: None for ever, never negative."""
     return None if left == math.inf else max(left, 0.0)
+
+
+def left_line_failed(failure: E, outage: E | None, answered: bool) -> E | None:
+    """Why a fair wait failed when even leaving the line (its last statement) failed with ``failure``.
+
+    That statement found no time to be sent (``failure`` is an ``OutOfTime``,
+    whose ``timed_out`` is True): the wait's own outage, if it had one; if no
+    attempt was ever answered, the database (or a busy pool) was the trouble,
+    not a holder, so the failure itself. None: just out of time, the lock held.
+    Any other failure is the reason.
+    """
+    if not getattr(failure, "timed_out", False):
+        return failure
+    return outage if answered else outage or failure
 
 
 # -- deadlines ----------------------------------------------------------------------

@@ -59,6 +59,8 @@ class OutOfTime(DatabaseUnavailable):
     """The call's deadline came before its statement could be sent (no connection free in time,
     or no time left): nothing reached the database, so nothing is in doubt."""
 
+    timed_out = True
+
 
 class Result(NamedTuple):
     """What ``Driver.run`` got back."""

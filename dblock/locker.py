@@ -409,7 +409,7 @@ class Locker:
                 ).rows
             except DatabaseUnavailable as exc:
                 self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
-                raise self._out_of_time(name, timeout, outage if isinstance(exc, OutOfTime) else exc) from exc
+                raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
             handed = core.cancelled(rows)
             if handed is not None:
                 # A release handed us the lease, or an attempt whose reply was

@@ -207,3 +207,15 @@ def test_a_lease_due_soon_joins_the_batch_going_out() -> None:
 def test_a_renewal_batch_never_runs_past_its_least_trusted_lease() -> None:
     assert core.batch_deadline(100.0, 5.0, [120.0, 103.0, 200.0]) == 103.0
     assert core.batch_deadline(100.0, 5.0, [120.0]) == 105.0
+
+
+def test_a_wait_that_cannot_leave_its_line_reports_why() -> None:
+    from dblock._driver import OutOfTime
+    from dblock.errors import DatabaseUnavailable
+
+    no_time, outage, broken = OutOfTime("no time"), DatabaseUnavailable("down"), DatabaseUnavailable("reset")
+    assert core.left_line_failed(broken, outage, answered=True) is broken  # the leaving itself failed
+    assert core.left_line_failed(no_time, None, answered=True) is None  # queued, then out of time: held
+    assert core.left_line_failed(no_time, outage, answered=True) is outage
+    assert core.left_line_failed(no_time, None, answered=False) is no_time  # never answered: not a holder
+    assert core.left_line_failed(no_time, outage, answered=False) is outage

@@ -1,0 +1,831 @@
+"""dblock for asyncio: ``AsyncLocker`` and ``AsyncLease``, and fenced writes on async connections.
+
+The same locks, tokens, guarantees and statements as ``Locker``: both faces
+are thin over ``_core`` (what a row means, every pause, deadline and trust
+window) and ``statements`` (the SQL), and differ only in how they wait. Here a
+waiter is a coroutine, not a thread: fair waiters sleep on an
+``asyncio.Event`` that the AsyncLocker's one listener task sets when a release
+hands them the lease; renewal is a task; ``lease.lost`` is an
+``asyncio.Event``; ``on_lost`` runs on the event loop. PostgreSQL goes through
+psycopg's ``AsyncConnection``, SQLite through ``aiosqlite``.
+
+Cancelling a waiting or acquiring task (``task.cancel()``, ``asyncio.timeout``)
+leaves the queue, and a grant that raced the cancellation is released before
+the ``CancelledError`` propagates: nothing is leaked.
+
+An AsyncLocker belongs to one event loop (the one it is first used on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import random
+import secrets
+import time
+import weakref
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, TypeVar, Union
+
+from sqlalchemy.engine import URL, Engine
+
+from . import _core as core
+from . import statements
+from ._adriver import AsyncDriver, Busy, OutOfTime
+from ._await import AsyncHeartbeat, AsyncHotspot, AsyncListener, AsyncSlot
+from ._core import OUTAGE_RETRY_MIN, Grant
+from ._engine import engine_for
+from ._process import default_label, queue_id
+from ._redact import display_url
+from ._validate import check_name, check_options, check_renew, check_timeout, check_ttl
+from .errors import DatabaseUnavailable, DBLockError, LeaseLost, LockNotAcquired
+from .lease import LeaseInfo, LeaseState
+from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
+from .schema import DEFAULT_TABLE
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+log = logging.getLogger("dblock.acquire")
+release_log = logging.getLogger("dblock.release")
+renew_log = logging.getLogger("dblock.renew")
+cleanup_log = logging.getLogger("dblock.cleanup")
+
+AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
+T = TypeVar("T")
+RETRY = 0.5  # background clean-up: seconds between tries while the database stays away
+
+__all__ = ["AsyncLease", "AsyncLocker", "AsyncOnLost"]
+
+
+class _Extended(NamedTuple):
+    expires_at: datetime
+    sent_at: float
+
+
+class _Try:
+    """What an acquire has done so far: whether it sent anything (cancelling it must clean up)."""
+
+    __slots__ = ("owner", "sent", "unsure")
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.sent = False  # a statement went out: it may have queued us, or granted us the lease
+        self.unsure = False  # an attempt went unanswered: it may grant us the lease even later
+
+
+class AsyncLocker:
+    """Hands out leases on named locks stored in one database, for asyncio code.
+
+    Takes what ``Locker`` takes (a URL, an ``Engine`` or ``AsyncEngine``, or
+    None for the embedded SQLite default) and the same options, with the same
+    meaning and defaults; see ``Locker``. Make one per database and event loop,
+    and close it with ``await locker.aclose()`` or ``async with AsyncLocker(...)``.
+
+    Every call but a waiting ``acquire`` returns or raises within
+    ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
+    within its ``timeout`` plus ``core.GRACE``. It opens at most
+    ``max_connections`` connections for its statements, plus one listener
+    connection while tasks wait in a fair queue: 1,000 waiting tasks hold no
+    connection and no thread each.
+    """
+
+    def __init__(
+        self,
+        url: str | URL | Engine | AsyncEngine | None = None,
+        *,
+        table: str = DEFAULT_TABLE,
+        schema: str | None = None,
+        ttl: float = DEFAULT_TTL,
+        timeout: float = math.inf,
+        poll_min: float = 0.01,
+        poll_max: float = 0.5,
+        label: str | None = None,
+        fair: bool = True,
+        notify: bool = True,
+        prepare: bool = True,
+        op_timeout: float = DEFAULT_OP_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
+        opts = check_options(
+            url is None, table, schema, label, ttl, timeout, poll_min, poll_max, fair, notify, prepare, op_timeout,
+            max_connections,
+        )
+        self.table, self.schema, self.label = opts.table, opts.schema, opts.label
+        self.ttl, self.timeout, self.op_timeout = opts.ttl, opts.timeout, opts.op_timeout
+        self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
+        # A sync engine of the same database: its URL and dialect, and create_schema's migrations.
+        self.engine, self._needs_migration, self._own_engine = engine_for(url)
+        if self.engine.dialect.name == "sqlite" and self.schema is not None:
+            raise ValueError("schema is not supported on SQLite; leave it None")
+        where = display_url(self.engine.url)
+        self._sql = statements.build(self.engine.dialect, self.table, self.schema)
+        self._driver = AsyncDriver(self.engine, where, self.table, prepare=prepare, size=max_connections)
+        self._queued = fair and self._sql.enqueue is not None
+        self._listener = AsyncListener(self._driver.connect) if self._queued and notify else None
+        self._lapse = core.lapse(self.poll_max)
+        self._heartbeat = AsyncHeartbeat(self._beat, self.poll_max) if self._queued else None
+        self._hot = AsyncHotspot()
+        self._proc = queue_id()
+        self._default_label = default_label()
+        self._migrated: asyncio.Lock | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, clean-up, on_lost
+        self._cleanups: set[asyncio.Task[Any]] = set()  # of those, the clean-ups (aclose lets them finish)
+        self._closed = False
+
+    # -- schema ------------------------------------------------------------
+    async def create_schema(self) -> None:
+        """Create or upgrade dblock's tables with its migrations (idempotent), as ``Locker.create_schema``.
+
+        Alembic is synchronous: the migration runs on a worker thread, so the
+        event loop goes on meanwhile.
+        """
+        await asyncio.to_thread(make_schema, self.engine, self.table, self.schema)
+
+    async def _ensure_schema(self) -> None:
+        if self._needs_migration:
+            if self._migrated is None:
+                self._migrated = asyncio.Lock()
+            async with self._migrated:
+                if self._needs_migration:
+                    await self.create_schema()
+                    self._needs_migration = False
+
+    # -- acquiring ---------------------------------------------------------
+    async def try_acquire(
+        self, name: str, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
+    ) -> AsyncLease | None:
+        """One attempt: an AsyncLease, or None if another owner holds ``name`` (see ``Locker.try_acquire``)."""
+        check_name(name)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        attempt = _Try(secrets.token_hex(16))
+        lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> AsyncLease:
+        """Wait up to ``timeout`` seconds (default: the AsyncLocker's, for ever) for ``name``.
+
+        Raises ``LockNotAcquired`` when the time runs out; see ``Locker.acquire``.
+        Cancelling the task leaves the queue, and releases a lease that was
+        granted in the meantime, before ``CancelledError`` propagates.
+        """
+        check_name(name)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        deadline = time.monotonic() + timeout
+        if timeout <= 0:
+            attempt = _Try(secrets.token_hex(16))
+            lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._bound(deadline)))
+            if lease is None:
+                raise LockNotAcquired(name, timeout)
+        elif self._queued:
+            owner = self._listener.owner_id() if self._listener is not None else secrets.token_hex(16)
+            attempt = _Try(owner)
+            lease = await self._guarded(name, ttl, attempt, self._wait_in_queue(name, attempt, ttl, timeout, deadline))
+        else:
+            attempt = _Try(secrets.token_hex(16))
+            lease = await self._guarded(name, ttl, attempt, self._wait_in_line(name, attempt, ttl, timeout, deadline))
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``async with locker.lock(name) as lease:`` acquires, and releases on exit (also on error)."""
+        check_name(name)
+        check_renew(renew, on_lost)
+        return _AsyncLockContext(
+            self,
+            name,
+            None if ttl is None else check_ttl(ttl),
+            None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
+        )
+
+    async def _guarded(self, name: str, ttl: float, attempt: _Try, work: Awaitable[T]) -> T:
+        """Run an acquire; if it is cancelled, or cut off in doubt, end whatever it may have granted."""
+        try:
+            return await work
+        except OutOfTime:
+            raise  # nothing was sent
+        except (DatabaseUnavailable, LockNotAcquired) as exc:
+            if attempt.sent and (attempt.unsure or isinstance(exc, DatabaseUnavailable)):
+                self._abandon(name, attempt.owner, ttl)
+            raise
+        except asyncio.CancelledError:
+            if attempt.sent:
+                # Leave the queue, and end a lease that was granted or handed to us
+                # meanwhile; shielded, so a second cancellation cannot stop it halfway.
+                job = self._spawn(self._forget_or_abandon(name, attempt.owner, ttl), cleanup=True)
+                try:
+                    await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    pass  # cancelled again: the job goes on in the background
+            raise
+
+    async def _once(self, name: str, ttl: float, attempt: _Try, deadline: float) -> AsyncLease | None:
+        lease, _ = await self._attempt(name, attempt, ttl, deadline)
+        return lease
+
+    async def _attempt(
+        self, name: str, attempt: _Try, ttl: float, deadline: float, *, waiting: bool = False
+    ) -> tuple[AsyncLease | None, float | None]:
+        await self._ensure_schema()
+        sent_at = time.monotonic()
+        attempt.sent = True
+        result = await self._driver.run(
+            self._sql.acquire,
+            {"name": name, "owner": attempt.owner, "ttl": ttl, "label": self._label()},
+            self._sql.holder,
+            deadline=deadline,
+            waiting=waiting,
+        )
+        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        if not isinstance(outcome, Grant):
+            return None, outcome.wait
+        log.debug("granted %r token=%s", name, outcome.token)
+        return AsyncLease(self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at), None
+
+    async def _wait_in_line(self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float) -> AsyncLease:
+        """Poll with backoff; this AsyncLocker's tasks waiting for ``name`` take turns (FIFO)."""
+        me = self._hot.join(name)
+        try:
+            if not await _wait_event(me, deadline - time.monotonic()):
+                raise LockNotAcquired(name, timeout)  # never reached the head of the local line
+            delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
+            outage: DatabaseUnavailable | None = None
+            while True:
+                me.clear()  # set again by a release of this AsyncLocker: try at once
+                try:
+                    lease, wait = await self._attempt(name, attempt, ttl, self._bound(deadline), waiting=True)
+                    outage, outage_delay = None, OUTAGE_RETRY_MIN
+                except (Busy, OutOfTime):
+                    lease, wait = None, None
+                except DatabaseUnavailable as exc:  # ride it out until the deadline
+                    lease, wait, outage, attempt.unsure = None, None, exc, True
+                if lease is not None:
+                    return lease
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if outage is not None:
+                        raise self._out_of_time(name, timeout, outage) from outage  # _guarded cleans up
+                    raise LockNotAcquired(name, timeout)
+                if outage is not None:
+                    outage_delay = await self._outage(outage, name, outage_delay, deadline)
+                    continue
+                pause = core.backoff(delay, wait, random.random())
+                delay = core.next_delay(delay, self.poll_max)
+                await _wait_event(me, min(pause, left))
+        finally:
+            self._hot.leave(name, me)
+
+    async def _wait_in_queue(
+        self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float
+    ) -> AsyncLease:
+        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
+        await self._ensure_schema()
+        owner = attempt.owner
+        listener, heartbeat = self._listener, self._heartbeat
+        slot: AsyncSlot | None = None
+        ident: tuple[int, str] | None = None
+        if listener is not None:
+            slot, ident = await listener.register(owner, min(deadline, self._deadline()))
+        queued_at: tuple[float, float] | None = None
+        outage: DatabaseUnavailable | None = None
+        outage_delay = OUTAGE_RETRY_MIN
+        seq: int | None = None
+        if heartbeat is not None:
+            heartbeat.enter()
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if listener is not None:
+                    ident = listener.ident
+                    if ident is None:  # not running (an outage killed it): start it again
+                        await listener.revive(min(deadline, self._deadline()))
+                        ident = listener.ident
+                sent_at = time.monotonic()
+                attempt.sent = True
+                try:
+                    rows = (
+                        await self._driver.run(
+                            self._sql.enqueue,  # type: ignore[arg-type]
+                            {
+                                "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
+                                "proc": self._proc.get(), "lapse": self._lapse,
+                                "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
+                                "until": core.entry_lifetime(left), "seq": seq,
+                            },
+                            deadline=self._bound(deadline),
+                            waiting=True,
+                        )
+                    ).rows
+                    outage, outage_delay = None, OUTAGE_RETRY_MIN
+                except OutOfTime:
+                    if time.monotonic() >= deadline:
+                        break
+                    continue
+                except DatabaseUnavailable as exc:  # ride it out until the deadline
+                    outage = exc
+                    if time.monotonic() >= deadline:
+                        break
+                    outage_delay = await self._outage(exc, name, outage_delay, deadline)
+                    continue
+                outcome = core.enqueued(rows)
+                if outcome is None:
+                    continue  # a concurrent first acquire created the row just now: look again
+                if isinstance(outcome, Grant):
+                    return AsyncLease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at)
+                wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
+                queued_at = (sent_at, outcome.at)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if slot is not None and ident is not None:
+                    pause = core.look_pause(self.poll_max, ahead, wait, random.random())
+                    await _wait_event(slot.event, min(pause, left))
+                    if slot.grant is not None:
+                        token, expiry = slot.grant
+                        try:
+                            lease = await self._handed(
+                                name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline
+                            )
+                        except DatabaseUnavailable as exc:
+                            outage, lease = exc, None  # ours but unrefreshed: the next attempt takes it up again
+                        if lease is not None:
+                            return lease
+                        slot.grant = None
+                    slot.event.clear()
+                else:
+                    delay = core.poll_delay(self.poll_min, self.poll_max, ahead)
+                    pause = core.backoff(delay, wait, random.random())
+                    await asyncio.sleep(min(pause, left))
+                if pause >= left or time.monotonic() >= deadline:
+                    break
+            # Out of time: leave the queue, unless a release handed us the lease first.
+            try:
+                rows = (
+                    await self._driver.run(
+                        self._sql.cancel,  # type: ignore[arg-type]
+                        {"name": name, "owner": owner, "seq": seq},
+                        deadline=self._bound(deadline),
+                    )
+                ).rows
+            except DatabaseUnavailable as exc:
+                self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
+                attempt.sent = False
+                raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
+            handed = core.cancelled(rows)
+            if handed is not None:
+                if queued_at is not None:
+                    lease = await self._handed(name, owner, ttl, handed, queued_at, deadline)
+                    if lease is not None:
+                        return lease
+                else:  # we cannot tell when it was granted, so end it
+                    await self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
+            attempt.sent = False  # out of the queue, nothing held: nothing to clean up
+            raise self._out_of_time(name, timeout, outage)
+        finally:
+            if heartbeat is not None:
+                heartbeat.leave()
+            if listener is not None:
+                listener.unregister(owner)
+
+    async def _handed(
+        self, name: str, owner: str, ttl: float, handed: Grant, queued_at: tuple[float, float], deadline: float
+    ) -> AsyncLease | None:
+        """A lease a release handed us (trusted as in ``Locker._handed``), or None if lost before we woke."""
+        sent, at = queued_at
+        now = time.monotonic()
+        trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
+        expires_at, sent_at = handed.expires_at, trusted - ttl
+        if core.needs_refresh(trusted, now, ttl):
+            done = await self._extend(name, owner, handed.token, ttl, self._bound(deadline))
+            if done is None:
+                return None
+            expires_at, sent_at = done
+        return AsyncLease(self, name, owner, handed.token, expires_at, ttl, sent_at)
+
+    # -- the statements behind a lease's verbs -------------------------------
+    async def _extend(self, name: str, owner: str, token: int, ttl: float, deadline: float) -> _Extended | None:
+        await self._ensure_schema()
+        sent_at = time.monotonic()
+        rows = (
+            await self._driver.run(
+                self._sql.extend, {"name": name, "owner": owner, "token": token, "ttl": ttl}, deadline=deadline
+            )
+        ).rows
+        return _Extended(core.when(rows[0][0]), sent_at) if rows else None
+
+    async def _end(self, key: dict[str, Any], deadline: float) -> bool:
+        """Release the lease ``key`` (name, owner, token); True if this call ended it."""
+        result = await self._driver.run(self._sql.release, key, deadline=deadline)
+        rows = result.rows
+        if not rows and result.retried:
+            rows = (await self._driver.run(self._sql.released, key, deadline=deadline)).rows
+        return bool(rows)
+
+    async def _release(self, name: str, owner: str, token: int, state: LeaseState) -> bool:
+        await self._ensure_schema()
+        state.released = True  # before the statement: renewal must not take the cleared row for a loss
+        key = {"name": name, "owner": owner, "token": token}
+        try:
+            ended = await self._end(key, self._deadline())
+        except DatabaseUnavailable:
+            self._later(f"the lease on {name!r} (token {token})", lambda: self._end(key, self._deadline()), state.ttl)
+            raise
+        if not self._queued:
+            self._hot.released(name)
+        return ended
+
+    async def _forget(self, name: str, owner: str) -> None:
+        """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
+        if self._sql.cancel is not None:
+            rows = (
+                await self._driver.run(
+                    self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
+                )
+            ).rows
+            grant = core.cancelled(rows)
+            token = None if grant is None else grant.token
+        else:
+            rows = (
+                await self._driver.run(
+                    self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
+                )
+            ).rows
+            token = rows[0][0] if rows else None
+        if token is not None:
+            await self._end({"name": name, "owner": owner, "token": token}, self._deadline())
+
+    async def _forget_or_abandon(self, name: str, owner: str, ttl: float) -> None:
+        try:
+            await self._forget(name, owner)
+        except DBLockError:
+            self._abandon(name, owner, ttl)
+
+    def _abandon(self, name: str, owner: str, ttl: float) -> None:
+        """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
+        self._later(f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner), ttl)
+
+    def _later(self, what: str, end: Callable[[], Awaitable[object]], ttl: float) -> None:
+        """Call ``end()`` in the background until it succeeds, or the lease would have expired anyway."""
+        self._spawn(_keep_trying(what, end, time.monotonic() + ttl), cleanup=True)
+
+    def _spawn(self, work: Awaitable[Any], cleanup: bool = False) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(work)
+        for tasks in (self._tasks, self._cleanups) if cleanup else (self._tasks,):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        return task
+
+    async def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
+        pause, later = core.outage_pause(delay, deadline - time.monotonic(), random.random())
+        log.info("database unavailable while waiting for %r (%s); retrying in %.3f s", name, exc, max(pause, 0))
+        if pause > 0:
+            await asyncio.sleep(pause)
+        return later
+
+    @staticmethod
+    def _out_of_time(name: str, timeout: float, outage: DatabaseUnavailable | None) -> Exception:
+        if outage is None:
+            return LockNotAcquired(name, timeout)
+        return DatabaseUnavailable(
+            f"lock {name!r} was not acquired within {timeout:g} s: the database was unavailable ({outage})",
+            sqlstate=outage.sqlstate,
+        )
+
+    async def _beat(self) -> None:
+        await self._driver.run(
+            self._sql.beat,  # type: ignore[arg-type]
+            {"proc": self._proc.get(), "lapse": self._lapse},
+            deadline=self._deadline(),
+        )
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.op_timeout
+
+    def _bound(self, deadline: float) -> float:
+        return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
+
+    def _label(self) -> str:
+        return self._default_label.get() if self.label is None else self.label
+
+    # -- renewal -----------------------------------------------------------
+    def _renew(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> asyncio.Task[None]:
+        return self._spawn(self._renewing(weakref.ref(lease), lease.name, lease.owner, lease.token, state, on_lost))
+
+    async def _renewing(
+        self,
+        ref: weakref.ref[AsyncLease],
+        name: str,
+        owner: str,
+        token: int,
+        state: LeaseState,
+        on_lost: AsyncOnLost | None,
+    ) -> None:
+        """Extend the lease every ttl/3 (as ``renew.Renewer`` does, one task per lease) until it ends.
+
+        Holds the lease only by weak reference: renewal stops when it is garbage-collected.
+        """
+        while not state.ended():
+            await asyncio.sleep(core.until_due(state.ttl, max(0.0, state.trusted_until - time.monotonic())))
+            while not state.ended():
+                if ref() is None:
+                    return
+                now = time.monotonic()
+                left = state.trusted_until - now
+                if left <= 0:
+                    self._lose(ref, state, on_lost, "the database did not answer before its trusted time ran out")
+                    return
+                try:
+                    done = await self._extend(name, owner, token, state.ttl, min(now + self.op_timeout, state.trusted_until))
+                except DBLockError as exc:
+                    if state.ended():
+                        return
+                    renew_log.warning("could not extend %r (token %s): %s; retrying", name, token, exc)
+                    await asyncio.sleep(core.retry_after(state.ttl, max(0.0, state.trusted_until - time.monotonic())))
+                    continue
+                if done is None:
+                    if not state.released:
+                        self._lose(ref, state, on_lost, "it was taken over, or released by force")
+                    return
+                if not state.ended():
+                    state.extended(done.expires_at, state.ttl, done.sent_at)
+                break
+
+    def _lose(self, ref: weakref.ref[AsyncLease], state: LeaseState, on_lost: AsyncOnLost | None, why: str) -> None:
+        state.lost.set()
+        lease = ref()
+        renew_log.error("lost the lease on %r: %s", getattr(lease, "name", "?"), why)
+        if lease is not None and on_lost is not None:
+            self._spawn(_call_on_lost(on_lost, lease))
+
+    # -- operators ---------------------------------------------------------
+    async def leases(self) -> list[LeaseInfo]:
+        """The unexpired leases now, ``remaining`` computed by the database clock."""
+        await self._ensure_schema()
+        rows = (await self._driver.run(self._sql.leases, {}, deadline=self._deadline())).rows
+        return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+
+    async def waiters(self) -> dict[str, int]:
+        """How many acquires wait in each name's fair queue now (PostgreSQL; empty on SQLite)."""
+        if self._sql.waiters is None:
+            return {}
+        await self._ensure_schema()
+        rows = (await self._driver.run(self._sql.waiters, {}, deadline=self._deadline())).rows
+        return {name: count for name, count in rows}
+
+    async def force_release(self, lease: LeaseInfo) -> bool:
+        """End someone else's lease, as an operator: ``lease`` is a row of ``leases()`` (see ``Locker``)."""
+        if not isinstance(lease, LeaseInfo):
+            raise TypeError(f"force_release takes a LeaseInfo from leases(), not {type(lease).__name__}")
+        check_name(lease.name)
+        await self._ensure_schema()
+        ended = await self._end({"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline())
+        if ended:
+            release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
+        return ended
+
+    async def prune(self, older_than: float) -> int:
+        """Delete rows of names nobody held for ``older_than`` seconds; returns how many."""
+        age = check_ttl(older_than)
+        await self._ensure_schema()
+        rows = (
+            await self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline())
+        ).rows
+        return len(rows)
+
+    def open_connections(self) -> int:
+        """How many of its statement connections this AsyncLocker has open now (not the listener's)."""
+        return self._driver.open_connections()
+
+    async def aclose(self) -> None:
+        """Close dblock's own connections; stop renewals (leases stay granted until released or expired).
+
+        Background clean-up still running (ending a lease a cancelled call may
+        have been granted) gets ``op_timeout`` to finish first.
+        """
+        if self._cleanups:
+            await asyncio.wait(list(self._cleanups), timeout=self.op_timeout)
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.op_timeout)
+        if self._listener is not None:
+            await self._listener.close()
+        if self._heartbeat is not None:
+            await self._heartbeat.close()
+        await self._driver.close()
+        if self._own_engine:
+            self.engine.dispose()
+        self._closed = True
+
+    async def __aenter__(self) -> AsyncLocker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
+
+
+async def _wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """``event.wait()`` for at most ``timeout`` s; True if it was set."""
+    if event.is_set():
+        return True
+    if timeout is not None and timeout <= 0:
+        return False
+    try:
+        await asyncio.wait_for(event.wait(), None if timeout == math.inf else timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def _keep_trying(what: str, end: Callable[[], Awaitable[object]], until: float) -> None:
+    while True:
+        if time.monotonic() >= until:
+            cleanup_log.warning("gave up ending %s: its lease has expired by now anyway", what)
+            return
+        try:
+            await end()
+        except DBLockError as exc:
+            cleanup_log.info("could not end %s yet (%s); retrying", what, exc)
+            await asyncio.sleep(RETRY)
+        else:
+            cleanup_log.info("ended %s, which a call could not confirm in time", what)
+            return
+
+
+async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:
+    try:
+        result = on_lost(lease)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:  # noqa: BLE001 - the user's callback; renewal goes on for other leases
+        renew_log.exception("on_lost callback for %r raised", lease.name)
+
+
+class AsyncLease:
+    """A grant of lock ``name`` to this process, for asyncio code (see ``Lease``).
+
+    ``token`` is the fencing token. ``lost`` is an ``asyncio.Event``, set once
+    this holder learns that the lease is gone without its release.
+    """
+
+    __slots__ = ("_locker", "name", "owner", "token", "_state", "_renewal", "__weakref__")
+
+    def __init__(
+        self, locker: AsyncLocker, name: str, owner: str, token: int, expires_at: datetime, ttl: float, sent_at: float
+    ) -> None:
+        self._locker = locker
+        self.name = name
+        self.owner = owner
+        self.token = token
+        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), lost=asyncio.Event())
+        self._renewal: asyncio.Task[None] | None = None
+
+    @property
+    def locker(self) -> AsyncLocker:
+        """The AsyncLocker that granted this lease."""
+        return self._locker
+
+    @property
+    def expires_at(self) -> datetime:
+        """The lease's expiry by the database clock, as of its grant or last extend."""
+        return self._state.expires_at
+
+    @property
+    def ttl(self) -> float:
+        return self._state.ttl
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """Set once this holder learns that the lease is gone without its release."""
+        return self._state.lost  # type: ignore[return-value]
+
+    def remaining(self) -> float:
+        """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
+        if self._state.ended():
+            return 0.0
+        return max(0.0, self._state.trusted_until - time.monotonic())
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """Push the expiry to (database now + ttl); raises ``LeaseLost`` if someone else took the lock."""
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline())
+        if done is None:
+            if not self._state.released:
+                self._state.lost.set()
+                self._stop_renewal()
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
+        self._state.extended(done.expires_at, ttl, done.sent_at)
+
+    async def release(self) -> bool:
+        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
+        self._stop_renewal()
+        return await self._locker._release(self.name, self.owner, self.token, self._state)
+
+    def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
+        """Extend this lease every ttl/3 in a task until it is released or lost.
+
+        When lost, ``lost`` is set, ``remaining()`` returns 0 and ``on_lost(lease)``
+        (a plain or async callable) runs on the event loop.
+        """
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
+        if self._state.ended():
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
+        if self._renewal is not None:
+            raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
+        self._renewal = self._locker._renew(self, self._state, on_lost)
+
+    def _stop_renewal(self) -> None:
+        if self._renewal is not None:
+            self._renewal.cancel()
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
+        failing = exc is not None
+        released_before = self._state.released
+        try:
+            ended = await self.release()
+        except Exception:
+            if not failing:
+                raise
+            release_log.exception("could not release %r after an error in the async with-block", self.name)
+            return
+        if not ended and not released_before and not failing:
+            raise LeaseLost(
+                f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
+                "another owner may have acquired it"
+            )
+
+    def __repr__(self) -> str:
+        if self._state.released:
+            state = "released"
+        elif self.lost.is_set():
+            state = "lost"
+        else:
+            state = f"remaining={self.remaining():.3f}s"
+        return f"<AsyncLease {self.name!r} token={self.token} {state}>"
+
+
+class _AsyncLockContext:
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease")
+
+    def __init__(
+        self,
+        locker: AsyncLocker,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: AsyncOnLost | None,
+    ) -> None:
+        self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
+        self._renew, self._on_lost = renew, on_lost
+        self._lease: AsyncLease | None = None
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self._locker.acquire(
+            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+        )
+        return self._lease
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.__aexit__(exc_type, exc, tb)

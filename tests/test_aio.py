@@ -1,0 +1,417 @@
+"""The asyncio API (``AsyncLocker``, ``AsyncLease``) on real PostgreSQL and SQLite.
+
+The guarantee race (G1/G2, audited) runs against this API in test_guarantees.py
+(its ``async-*`` modes) and the fenced pause in test_fencing.py; this file
+holds the rest of the guarantees, what only asyncio has (cancellation, tasks
+instead of threads, the event loop never blocked), and faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import dblock
+from dblock import AsyncLease, AsyncLocker, DatabaseUnavailable, LeaseLost, LockNotAcquired
+
+from .conftest import Db
+from .pgproxy import PgProxy
+from .test_faults import SLACK, SilentServer, silent  # noqa: F401 - the fixture
+from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
+
+pytestmark = pytest.mark.asyncio
+
+
+def alocker(db: Db, **options: Any) -> AsyncLocker:
+    options.setdefault("table", db.table)
+    return AsyncLocker(db.url, **options)
+
+
+def held(db: Db) -> list[tuple]:
+    return db.query(f"SELECT name, token FROM {db.table} WHERE owner IS NOT NULL ORDER BY name")
+
+
+def queued(db: Db) -> int:
+    if db.backend != "postgresql":
+        return 0
+    return db.query(f"SELECT count(*) FROM {db.table}_waiters")[0][0]
+
+
+# -- the API -----------------------------------------------------------------------
+async def test_acquire_extend_release_and_the_operator_calls(db: Db) -> None:
+    async with alocker(db) as locker:
+        lease = await locker.acquire("job", ttl=5)
+        assert isinstance(lease, AsyncLease) and lease.token > 0
+        assert 4 < lease.remaining() <= 5
+        assert await locker.try_acquire("job") is None
+        await lease.extend(10)
+        assert lease.ttl == 10 and 9 < lease.remaining() <= 10
+        (info,) = await locker.leases()
+        assert (info.name, info.owner, info.token) == ("job", lease.owner, lease.token)
+        assert await lease.release() is True
+        assert await lease.release() is False
+        assert lease.remaining() == 0 and held(db) == []
+        again = await locker.try_acquire("job")
+        assert again is not None and again.token > lease.token  # G2
+        assert await locker.force_release((await locker.leases())[0]) is True
+        with pytest.raises(LeaseLost):
+            await again.extend()
+        assert again.lost.is_set()
+        assert await locker.prune(0.001) >= 0
+
+
+async def test_lock_context_releases_on_exit_and_on_error(db: Db) -> None:
+    async with alocker(db) as locker:
+        async with locker.lock("ctx", ttl=5) as lease:
+            assert held(db) == [("ctx", lease.token)]
+        assert held(db) == []
+        with pytest.raises(RuntimeError):
+            async with locker.lock("ctx"):
+                raise RuntimeError("boom")
+        assert held(db) == []
+
+
+async def test_a_lease_lost_inside_the_block_raises_at_its_end(db: Db) -> None:
+    async with alocker(db) as locker:
+        with pytest.raises(LeaseLost):
+            async with locker.lock("ctx", ttl=5):
+                db.query(f"UPDATE {db.table} SET owner = 'someone else'")
+
+
+async def test_waiting_acquire_times_out_with_lock_not_acquired(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as waiter:
+        await holder.acquire("busy", ttl=30)
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired):
+            await waiter.acquire("busy", timeout=0.3)
+        assert time.monotonic() - started >= 0.3
+        with pytest.raises(LockNotAcquired):
+            await waiter.acquire("busy", timeout=0)
+        assert queued(db) == 0  # the timed-out waiter left the queue
+
+
+async def test_a_release_hands_the_lease_to_a_waiting_task(db: Db) -> None:
+    async with alocker(db) as locker:
+        first = await locker.acquire("hand", ttl=30)
+        waiter = asyncio.create_task(locker.acquire("hand", timeout=20))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        await first.release()
+        second = await asyncio.wait_for(waiter, 15)
+        assert second.token > first.token and held(db) == [("hand", second.token)]
+        await second.release()
+
+
+async def test_the_embedded_default_works_without_set_up(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    async with AsyncLocker() as locker:
+        async with locker.lock("embedded") as lease:
+            assert lease.token > 0
+            assert await locker.try_acquire("embedded") is None
+
+
+async def test_it_takes_an_async_engine(pg: Db) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(pg.url)
+    try:
+        async with AsyncLocker(engine, table=pg.table) as locker:
+            async with locker.lock("engine") as lease:
+                assert held(pg) == [("engine", lease.token)]
+    finally:
+        await engine.dispose()
+
+
+async def test_sqlite_aiosqlite_urls_name_the_same_file(tmp_path: Any) -> None:
+    path = tmp_path / "locks.sqlite3"
+    async with AsyncLocker(f"sqlite+aiosqlite:///{path}") as locker:
+        await locker.create_schema()
+        lease = await locker.acquire("file")
+        with dblock.Locker(f"sqlite:///{path}") as sync:
+            assert sync.try_acquire("file") is None  # the same lock, seen from the sync API
+        await lease.release()
+
+
+# -- guarantees ----------------------------------------------------------------------
+async def test_g3_a_stale_holder_changes_nothing(db: Db) -> None:
+    async with alocker(db) as locker:
+        stale = await locker.acquire("g3", ttl=0.05)
+        await asyncio.sleep(0.1)
+        fresh = await locker.acquire("g3", ttl=30, timeout=5)
+        before = db.rows()
+        assert await stale.release() is False
+        with pytest.raises(LeaseLost):
+            await stale.extend()
+        assert db.rows() == before and held(db) == [("g3", fresh.token)]
+
+
+async def test_g5_trust_ends_no_later_than_the_database_expiry(db: Db) -> None:
+    async with alocker(db) as locker:
+        lease = await locker.acquire("g5", ttl=2)
+        trusted_until = time.time() + lease.remaining()
+        assert trusted_until <= lease.expires_at.timestamp() + 0.005
+
+
+async def test_g6_a_retried_attempt_returns_the_lease_it_granted(db: Db) -> None:
+    async with alocker(db) as locker:
+        from dblock.aio import _Try
+
+        attempt = _Try("retrying-owner")
+        first, _ = await locker._attempt("g6", attempt, 30, locker._deadline())
+        again, _ = await locker._attempt("g6", attempt, 30, locker._deadline())
+        assert first is not None and again is not None and again.token == first.token
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+    async with alocker(db) as locker:
+        before = db.rows()
+        for call in (locker.try_acquire, locker.acquire):
+            with pytest.raises((TypeError, ValueError)):
+                await call(name)  # type: ignore[operator]
+        with pytest.raises((TypeError, ValueError)):
+            locker.lock(name)  # type: ignore[arg-type]
+        assert db.rows() == before
+
+
+@pytest.mark.parametrize("ttl", BAD_TTLS, ids=repr)
+async def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None:
+    async with alocker(db) as locker:
+        before = db.rows()
+        with pytest.raises((TypeError, ValueError)):
+            await locker.try_acquire("x", ttl=ttl)  # type: ignore[arg-type]
+        lease = await locker.acquire("x")
+        with pytest.raises((TypeError, ValueError)):
+            await lease.extend(ttl)  # type: ignore[arg-type]
+        await lease.release()
+        assert [r[:3] for r in db.rows()] == [("x", None, lease.token)] and before == []
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+async def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object) -> None:
+    async with alocker(db) as locker:
+        with pytest.raises((TypeError, ValueError)):
+            await locker.acquire("x", timeout=timeout)  # type: ignore[arg-type]
+        assert db.rows() == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"ttl": 0}, {"poll_min": -1}, {"poll_min": 1, "poll_max": 0.5}, {"fair": "yes"}, {"max_connections": 0},
+     {"table": "bad name"}, {"op_timeout": float("nan")}],
+    ids=repr,
+)
+async def test_g7_bad_options_are_refused_up_front(db: Db, options: dict) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        alocker(db, **options)
+
+
+async def test_on_lost_without_renew_is_refused(db: Db) -> None:
+    async with alocker(db) as locker:
+        with pytest.raises(ValueError):
+            await locker.acquire("x", on_lost=print)
+        assert db.rows() == []
+
+
+# -- renewal ------------------------------------------------------------------------
+async def test_renewal_keeps_a_short_lease_alive(db: Db) -> None:
+    async with alocker(db) as locker, alocker(db) as other:
+        lease = await locker.acquire("renewed", ttl=0.3, renew=True)
+        await asyncio.sleep(1.2)  # four TTLs
+        assert await other.try_acquire("renewed") is None
+        assert not lease.lost.is_set() and lease.remaining() > 0
+        await lease.release()
+        assert held(db) == []
+
+
+@pytest.mark.parametrize("kind", ["plain", "async"])
+async def test_a_lost_lease_sets_lost_and_runs_on_lost_on_the_loop(db: Db, kind: str) -> None:
+    calls: list[tuple[AsyncLease, bool]] = []
+    loop_thread = threading.get_ident()
+
+    def plain(lease: AsyncLease) -> None:
+        calls.append((lease, threading.get_ident() == loop_thread))
+
+    async def coroutine(lease: AsyncLease) -> None:
+        await asyncio.sleep(0)
+        calls.append((lease, threading.get_ident() == loop_thread))
+
+    async with alocker(db) as locker:
+        lease = await locker.acquire("lost", ttl=0.3, renew=True, on_lost=plain if kind == "plain" else coroutine)
+        (info,) = await locker.leases()
+        assert await locker.force_release(info)
+        await asyncio.wait_for(lease.lost.wait(), 5)
+        for _ in range(100):
+            if calls:
+                break
+            await asyncio.sleep(0.01)
+        assert calls == [(lease, True)] and lease.remaining() == 0
+
+
+# -- tasks, not threads -------------------------------------------------------------
+async def test_waiting_never_blocks_the_event_loop(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as locker:
+        lease = await holder.acquire("loop", ttl=30)
+        waiters = [asyncio.create_task(locker.acquire("loop", timeout=1.5)) for _ in range(20)]
+        ticks = 0
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            await asyncio.sleep(0.01)
+            ticks += 1
+        # Blocking calls would starve this loop (a sync acquire in async code: 1 tick a second).
+        assert ticks > 20, f"the event loop ran {ticks} times in a second while 20 tasks waited"
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        assert all(isinstance(r, LockNotAcquired) for r in results)
+        await lease.release()
+
+
+@pytest.mark.slow
+async def test_1000_tasks_wait_on_one_name_in_order_on_bounded_connections(pg: Db) -> None:
+    """1,000 tasks queue for one name in one process: each is granted in the order it joined,
+    on at most max_connections statement connections plus one listener, with no thread per waiter."""
+    n = 1000
+    async with alocker(pg, max_connections=4) as locker:
+        first = await locker.acquire("crowd", ttl=60)
+        order: list[int] = []
+        threads_before = threading.active_count()
+
+        async def wait(i: int) -> None:
+            async with locker.lock("crowd", ttl=60, timeout=300):
+                order.append(i)
+
+        tasks = []
+        for i in range(n):  # each joins the line before the next starts: the order to keep
+            tasks.append(asyncio.create_task(wait(i)))
+            while (await locker.waiters()).get("crowd", 0) < i + 1:
+                await asyncio.sleep(0.001)
+        sessions = pg.query("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()")[0][0]
+        assert locker.open_connections() <= 4
+        assert threading.active_count() <= threads_before + 2, "a thread per waiter?"
+        await first.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 240)
+        assert order == list(range(n))
+        assert sessions < 50, f"{sessions} sessions for 1,000 waiting tasks"
+
+
+# -- cancellation -------------------------------------------------------------------
+async def test_a_cancelled_waiter_leaves_the_queue(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as locker:
+        lease = await holder.acquire("cancel", ttl=30)
+        waiter = asyncio.create_task(locker.acquire("cancel", timeout=30))
+        await asyncio.sleep(0.3)
+        assert queued(db) == (1 if db.backend == "postgresql" else 0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert queued(db) == 0
+        await lease.release()
+        assert held(db) == []  # not handed to the cancelled waiter
+
+
+async def test_asyncio_timeout_around_acquire_leaves_nothing_behind(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as locker:
+        lease = await holder.acquire("timeout", ttl=30)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(locker.acquire("timeout"), 0.3)
+        assert queued(db) == 0
+        await lease.release()
+        assert held(db) == []
+
+
+@pytest.mark.parametrize("options", [{}, {"notify": False}, {"fair": False}], ids=["fair", "fair-poll", "line"])
+async def test_cancellation_racing_a_hand_off_never_leaks_the_lease(db: Db, options: dict) -> None:
+    """A holder releases while its waiter is being cancelled, at many offsets: after the
+    cancellation the lock is free (or held by nobody but a live lease), never left granted
+    to the cancelled task until its TTL."""
+    if db.backend == "sqlite" and options:
+        pytest.skip("SQLite waits in the local line only: covered by the default case")
+    async with alocker(db, poll_min=0.001, poll_max=0.01, **options) as holder, alocker(db, **options) as locker:
+        granted_to_cancelled = 0
+        for i in range(30):
+            lease = await holder.acquire("race", ttl=30, timeout=10)
+            waiter = asyncio.create_task(locker.acquire("race", ttl=30, timeout=10))
+            await asyncio.sleep(0.05)  # queued
+            release = asyncio.create_task(lease.release())
+            await asyncio.sleep((i % 10) * 0.0005)
+            waiter.cancel()
+            await release
+            try:
+                got = await waiter
+            except asyncio.CancelledError:
+                pass
+            else:  # it won before the cancel landed: it is a live lease, ours to release
+                granted_to_cancelled += 1
+                await got.release()
+            assert held(db) == [], f"round {i}: the lease was left granted after the cancellation"
+            assert queued(db) == 0
+        assert granted_to_cancelled < 30, "the cancellation never raced the hand-off"
+
+
+# -- faults ---------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"fair": False}], ids=["fair", "line"])
+async def test_a_silent_server_gets_a_bounded_answer(silent: SilentServer, options: dict) -> None:  # noqa: F811
+    async with AsyncLocker(silent.url, op_timeout=2, **options) as locker:
+        for call in (lambda: locker.try_acquire("x"), locker.leases, lambda: locker.acquire("x", timeout=1)):
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable) as info:
+                await call()
+            took = time.monotonic() - started
+            assert took <= 2 + 2.5 + SLACK, f"a call took {took:.1f} s against a silent server"
+            assert "secret" not in str(info.value)
+            assert pickle.loads(pickle.dumps(info.value)).args == info.value.args
+
+
+async def test_a_statement_that_gets_no_answer_is_cut_off_at_its_deadline(pg: Db) -> None:
+    proxy = PgProxy(pg.url)
+    try:
+        async with AsyncLocker(proxy.url, table=pg.table, op_timeout=1) as locker:
+            lease = await locker.acquire("cut", ttl=30)
+            proxy.pause()  # the network drops everything from now on
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailable, match="did not answer in time|cannot connect"):
+                await lease.extend()
+            assert time.monotonic() - started <= 1 + SLACK
+            proxy.resume()
+            assert await locker.try_acquire("cut") is None  # the lease still holds: the extend was merely cut off
+            assert await lease.release() is True
+    finally:
+        proxy.close()
+    assert held(pg) == []
+
+
+async def test_a_lost_reply_leaves_no_lease_behind(pg: Db) -> None:
+    """The acquire commits but its reply is lost and the retry's connection is refused:
+    the call raises, and the lease it was granted is ended in the background."""
+    proxy = PgProxy(pg.url)
+    try:
+        async with AsyncLocker(proxy.url, table=pg.table, op_timeout=1) as locker:
+            await locker.leases()  # connected
+            proxy.drop_next_reply()
+            lease = await locker.try_acquire("doubt", ttl=30)  # retried once on a new connection (G6)
+            assert lease is not None and held(pg) == [("doubt", lease.token)]
+            await lease.release()
+            assert proxy.dropped.is_set()
+    finally:
+        proxy.close()
+    assert held(pg) == []
+
+
+async def test_one_locker_belongs_to_one_event_loop(db: Db) -> None:
+    locker = alocker(db)
+    await locker.leases()
+
+    def elsewhere() -> None:
+        async def use() -> None:
+            await locker.leases()
+
+        with pytest.raises(RuntimeError, match="event loop"):
+            asyncio.run(use())
+
+    await asyncio.to_thread(elsewhere)
+    await locker.aclose()
