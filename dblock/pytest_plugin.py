@@ -11,6 +11,14 @@ so it never shadows a fixture of your own.
   holder had paused past its TTL;
 - ``dblock_compete(name, fn)``: run ``fn(lease)`` as another client holding ``name``.
 
+For asyncio tests (with pytest-asyncio, or anyio's pytest plugin):
+
+- ``dblock_async_locker``: an ``AsyncLocker`` on a fresh PostgreSQL schema, closed
+  and dropped after the test (an async fixture);
+- ``dblock_acompete(name, fn)``: ``await`` it; ``fn(lease)`` (plain or async) as
+  another asyncio client holding ``name``;
+- ``dblock_expire`` takes an ``AsyncLease`` too.
+
 Settings, each a command-line flag and an ini option (the flag wins):
 ``--dblock-url`` / ``dblock_url`` (also ``$DBLOCK_TEST_URL``, which beats the ini
 file; with none of them a throwaway server from the ``pgserver`` package,
@@ -30,7 +38,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, TypeVar
 import pytest
 
 if TYPE_CHECKING:  # dblock (and SQLAlchemy) load when a fixture is used, not on every pytest start
-    from dblock import Lease, Locker
+    from dblock import AsyncLease, AsyncLocker, Lease, Locker
+
+_async_fixture: Callable[[Callable[..., Any]], Callable[..., Any]]
+try:  # async fixtures need an async plugin: pytest-asyncio's decorator, or plain (anyio's plugin)
+    from pytest_asyncio import fixture as _async_fixture
+except ImportError:  # pragma: no cover - without pytest-asyncio
+    _async_fixture = pytest.fixture
 
 T = TypeVar("T")
 ENV_URL = "DBLOCK_TEST_URL"
@@ -135,24 +149,48 @@ def dblock_url(dblock_postgresql: PostgreSQL) -> str:
 @pytest.fixture
 def dblock_locker(dblock_url: str, request: pytest.FixtureRequest) -> Iterator[Locker]:
     """A Locker with its tables migrated in a fresh schema (``locker.schema``), dropped after the test."""
-    from sqlalchemy import text
-
     from dblock import Locker
-    from dblock.locker import DEFAULT_TTL
 
-    ttl = _setting(request.config, "dblock_ttl")
-    schema = "dblock_test_" + secrets.token_hex(5)
-    locker = Locker(dblock_url, schema=schema, ttl=DEFAULT_TTL if ttl is None else _seconds(ttl))
+    locker = Locker(dblock_url, schema="dblock_test_" + secrets.token_hex(5), ttl=_ttl(request))
     try:
         locker.create_schema()
         yield locker
     finally:
         locker.close()
-        with locker.engine.begin() as conn:
-            # A connection of the test's own still using the schema would make this wait for ever.
-            conn.execute(text("SET LOCAL lock_timeout = '10s'"))
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        locker.engine.dispose()
+        _drop_schema(locker)
+
+
+@_async_fixture
+async def dblock_async_locker(dblock_url: str, request: pytest.FixtureRequest) -> Any:
+    """An AsyncLocker with its tables migrated in a fresh schema (``locker.schema``), dropped after the test."""
+    import asyncio
+
+    from dblock import AsyncLocker
+
+    locker = AsyncLocker(dblock_url, schema="dblock_test_" + secrets.token_hex(5), ttl=_ttl(request))
+    try:
+        await locker.create_schema()
+        yield locker
+    finally:
+        await locker.aclose()
+        await asyncio.to_thread(_drop_schema, locker)
+
+
+def _ttl(request: pytest.FixtureRequest) -> float:
+    from dblock.locker import DEFAULT_TTL
+
+    ttl = _setting(request.config, "dblock_ttl")
+    return DEFAULT_TTL if ttl is None else _seconds(ttl)
+
+
+def _drop_schema(locker: Locker | AsyncLocker) -> None:
+    from sqlalchemy import text
+
+    with locker.engine.begin() as conn:
+        # A connection of the test's own still using the schema would make this wait for ever.
+        conn.execute(text("SET LOCAL lock_timeout = '10s'"))
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{locker.schema}" CASCADE'))
+    locker.engine.dispose()
 
 
 def _seconds(value: str) -> float:
@@ -162,7 +200,7 @@ def _seconds(value: str) -> float:
         pytest.fail(f"dblock_ttl must be a number of seconds, not {value!r}", pytrace=False)
 
 
-def expire_now(lease: Lease) -> None:
+def expire_now(lease: Lease | AsyncLease) -> None:
     """End ``lease`` now by the database's clock, as if its holder had paused past its TTL.
 
     Another client can then acquire the lock. The holder is not told:
@@ -171,11 +209,11 @@ def expire_now(lease: Lease) -> None:
     """
     from sqlalchemy import update
 
-    from dblock import Lease, LeaseLost
+    from dblock import AsyncLease, Lease, LeaseLost
     from dblock.schema import locks_table
 
-    if not isinstance(lease, Lease):
-        raise TypeError(f"dblock_expire takes a Lease, not {type(lease).__name__}")
+    if not isinstance(lease, (Lease, AsyncLease)):
+        raise TypeError(f"dblock_expire takes a Lease or an AsyncLease, not {type(lease).__name__}")
     locker = lease.locker
     t = locks_table(locker.table, locker.schema)
     # acquired_at is in the past on every backend's clock: an expiry there has passed.
@@ -210,10 +248,16 @@ def dblock_compete(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any
     others: dict[int, Locker] = {}
 
     def compete(
-        name: str, fn: Callable[[Lease], T], *, locker: Locker | None = None, ttl: float | None = None, timeout: float = 0
+        name: str,
+        fn: Callable[[Lease], T],
+        *,
+        locker: Locker | AsyncLocker | None = None,
+        ttl: float | None = None,
+        timeout: float = 0,
     ) -> T:
         if not callable(fn):
             raise TypeError(f"dblock_compete runs a callable with the competing lease, not {type(fn).__name__}")
+        # An AsyncLocker's engine, table and schema name the same locks: a sync competitor works on it too.
         base = request.getfixturevalue("dblock_locker") if locker is None else locker
         other = others.get(id(base))
         if other is None:
@@ -224,3 +268,44 @@ def dblock_compete(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any
     yield compete
     for other in others.values():
         other.close()
+
+
+@_async_fixture
+async def dblock_acompete(request: pytest.FixtureRequest) -> Any:
+    """``await dblock_acompete(name, fn, *, locker=None, ttl=None, timeout=0)``: ``dblock_compete``
+    for asyncio tests. ``fn(lease)`` may be a plain or an async callable; ``locker`` (default:
+    the ``dblock_async_locker`` fixture) an AsyncLocker or a Locker."""
+    import inspect
+
+    from dblock import AsyncLocker
+
+    others: dict[int, AsyncLocker] = {}
+
+    async def compete(
+        name: str,
+        fn: Callable[[AsyncLease], Any],
+        *,
+        locker: Locker | AsyncLocker | None = None,
+        ttl: float | None = None,
+        timeout: float = 0,
+    ) -> Any:
+        if not callable(fn):
+            raise TypeError(f"dblock_acompete runs a callable with the competing lease, not {type(fn).__name__}")
+        if locker is None:
+            if "dblock_async_locker" not in request.fixturenames:
+                raise TypeError("dblock_acompete needs locker=..., or the dblock_async_locker fixture in this test")
+            base = request.getfixturevalue("dblock_async_locker")  # set up already: the test asked for it
+        else:
+            base = locker
+        other = others.get(id(base))
+        if other is None:
+            other = others[id(base)] = AsyncLocker(
+                base.engine, table=base.table, schema=base.schema, label="dblock_compete"
+            )
+        async with other.lock(name, ttl=ttl, timeout=timeout) as lease:
+            result = fn(lease)
+            return await result if inspect.isawaitable(result) else result
+
+    yield compete
+    for other in others.values():
+        await other.aclose()

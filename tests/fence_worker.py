@@ -55,6 +55,37 @@ def pause(url: str, table: str, counter: str, ttl: float) -> None:
         print("fenced", flush=True)
 
 
+def apause(url: str, table: str, counter: str, ttl: float) -> None:
+    """``pause`` with the asyncio API: an AsyncLocker's lease, a fenced write on an async engine."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def main() -> None:
+        async with dblock.AsyncLocker(url, table=table) as locker:
+            engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://"))
+            t = counter_table(counter)
+            lease = await locker.acquire("resource", ttl=ttl, timeout=10)
+            print(lease.token, flush=True)
+            assert lease.remaining() > 0
+            os.kill(os.getpid(), signal.SIGSTOP)
+            try:
+                async with engine.begin() as conn:
+                    await fenced_update_async(conn, update(t).where(t.c.id == 1).values(owner=1), lease)
+                print("wrote", flush=True)
+            except dblock.FencedOut:
+                print("fenced", flush=True)
+            await engine.dispose()
+
+    asyncio.run(main())
+
+
+def fenced_update_async(conn: Any, stmt: Any, lease: Any) -> Any:
+    from dblock.aio import fenced_update
+
+    return fenced_update(conn, stmt, lease)
+
+
 def stress(
     url: str, table: str, counter: str, ttl: float, iterations: int, mode: str, seed: int, options: dict[str, Any]
 ) -> None:
@@ -87,6 +118,8 @@ if __name__ == "__main__":
     mode, url, table, counter, ttl = sys.argv[1:6]
     if mode == "pause":
         pause(url, table, counter, float(ttl))
+    elif mode == "apause":
+        apause(url, table, counter, float(ttl))
     else:
         options = json.loads(sys.argv[9]) if len(sys.argv) > 9 else {}
         stress(url, table, counter, float(ttl), int(sys.argv[6]), sys.argv[7], int(sys.argv[8]), options)

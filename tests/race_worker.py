@@ -3,7 +3,9 @@
 Usage: python race_worker.py URL TABLE NAME TTL THREADS DURATION [MODE [OPTIONS]]
 MODE is how threads take the lock: "try" (try_acquire in a loop, the default),
 or a blocking acquire with a short timeout (5 TTLs, at least 50 ms): "fair" (queue + NOTIFY hand-off),
-"fair-poll" (queue, polling), "line" (fair=False: local line + polling).
+"fair-poll" (queue, polling), "line" (fair=False: local line + polling). With an
+"async-" prefix (e.g. "async-fair") the asyncio API races instead: THREADS tasks
+on one event loop, with an AsyncLocker.
 OPTIONS, a JSON object, adds Locker keyword options (e.g. {"prepare": false}
 behind a transaction pooler).
 Once connected it prints "ready" and reads the start time from stdin: a
@@ -16,13 +18,14 @@ is when this client stopped relying on the lease: min(sent + ttl, release call).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import sys
 import threading
 import time
 
-from dblock import Lease, Locker, LockNotAcquired
+from dblock import AsyncLease, AsyncLocker, Lease, Locker, LockNotAcquired
 
 MODES = {"try": {}, "fair": {}, "fair-poll": {"notify": False}, "line": {"fair": False}}
 
@@ -31,6 +34,11 @@ def main() -> None:
     url, table, name = sys.argv[1:4]
     ttl, threads, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
     mode = sys.argv[7] if len(sys.argv) > 7 else "try"
+    if mode.startswith("async-"):
+        mode = mode[len("async-"):]
+        options = {**MODES[mode], **(json.loads(sys.argv[8]) if len(sys.argv) > 8 else {})}
+        asyncio.run(race_tasks(url, table, name, ttl, threads, duration, mode, options))
+        return
     options = {**MODES[mode], **(json.loads(sys.argv[8]) if len(sys.argv) > 8 else {})}
     locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **options)
     # Connected before the start. Not by taking a lock: grants of other names draw from the same
@@ -89,6 +97,48 @@ def main() -> None:
     locker.close()
     if failures:
         sys.exit(f"{len(failures)} thread(s) failed: {failures[0]!r}")
+    json.dump(grants, sys.stdout)
+
+
+async def race_tasks(
+    url: str, table: str, name: str, ttl: float, tasks: int, duration: float, mode: str, options: dict
+) -> None:
+    """The race with the asyncio API: ``tasks`` tasks on one loop instead of threads."""
+    locker = AsyncLocker(url, table=table, poll_min=0.001, poll_max=0.01, **options)
+    await locker.leases()
+    print("ready", flush=True)
+    start_at = float(await asyncio.to_thread(sys.stdin.readline))
+    grants: list[list[float]] = []
+
+    async def take() -> AsyncLease | None:
+        if mode == "try":
+            return await locker.try_acquire(name, ttl=ttl)
+        try:
+            return await locker.acquire(name, ttl=ttl, timeout=max(0.05, 5 * ttl))
+        except LockNotAcquired:
+            return None
+
+    async def race() -> None:
+        rng = random.Random()
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        end, last = start_at + duration, start_at + 10 * duration
+        while time.monotonic() < end or (len(grants) < 40 and time.monotonic() < last):
+            lease = await take()
+            if lease is None:
+                if mode == "try":
+                    await asyncio.sleep(rng.random() * 0.002)
+                continue
+            received = time.monotonic()
+            trusted_until = received + lease.remaining()
+            if rng.random() < 0.5:
+                await asyncio.sleep(rng.random() * ttl * 2)
+            if rng.random() < 0.7:
+                trusted_until = min(trusted_until, time.monotonic())
+                await lease.release()
+            grants.append([lease.token, received, trusted_until])
+
+    await asyncio.gather(*(race() for _ in range(tasks)))  # a task that fails fails the process
+    await locker.aclose()
     json.dump(grants, sys.stdout)
 
 

@@ -186,9 +186,12 @@ def test_pause_in_a_thread_past_the_ttl(db: Db, counter: Counter) -> None:
     assert counter.accepted() == [lease2.token]
 
 
-def test_pause_in_a_process_stopped_with_sigstop(db: Db, counter: Counter) -> None:
+@pytest.mark.parametrize("api", ["pause", "apause"], ids=["sync", "asyncio"])
+def test_pause_in_a_process_stopped_with_sigstop(db: Db, counter: Counter, api: str) -> None:
+    """The holder (a Locker, or an AsyncLocker writing through an AsyncSession) stops right
+    before its fenced write; another takes over and writes; the stale write is refused."""
     proc = subprocess.Popen(
-        [sys.executable, WORKER, "pause", db.url, db.table, counter.name, "1.0"],
+        [sys.executable, WORKER, api, db.url, db.table, counter.name, "1.0"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,

@@ -89,21 +89,22 @@ def inversions(tokens: list[int]) -> list[tuple[int, int]]:
 
 
 # -- G1 + G2 under a real race --------------------------------------------------
-@pytest.mark.parametrize("mode", ["try", "fair", "fair-poll", "line"])
+@pytest.mark.parametrize("mode", ["try", "fair", "fair-poll", "line", "async-try", "async-fair", "async-line"])
 def test_g1_g2_race_of_processes_and_threads(db: Db, mode: str) -> None:
     """3 processes x 4 threads take one name with 5 ms TTLs for 3 s (waiting modes: 2 s, TTLs of
     10 acquire+release pairs, at least 10 ms).
 
     ``mode`` is how they take it: try_acquire in a loop, or blocking acquires
     that queue with NOTIFY hand-offs (fair), queue and poll (fair-poll), or
-    poll in a local line per process (line, which is also what SQLite does).
+    poll in a local line per process (line, which is also what SQLite does);
+    ``async-``: the same with the asyncio API, 4 tasks per process.
     Holders sometimes overrun their TTL, so takeovers at expiry mix with
     releases and hand-offs. The database's audit must show every grant's
     token above the previous grant's (G2), every token a client got must be
     unique and audited, and no two clients may have trusted their leases at
     the same moment (G1 with G5).
     """
-    if db.backend == "sqlite" and mode.startswith("fair"):
+    if db.backend == "sqlite" and mode.removeprefix("async-").startswith("fair"):
         pytest.skip("SQLite has no queue: fair modes wait in the local line, tested as 'line'")
     install_audit(db)
     probe = db.locker()
@@ -115,8 +116,8 @@ def test_g1_g2_race_of_processes_and_threads(db: Db, mode: str) -> None:
     for _ in range(5):
         probe.try_acquire("warm").release()
     pair = (time.monotonic() - started) / 5
-    ttl = "0.005" if mode == "try" else repr(min(0.5, max(0.01, 10 * pair)))
-    duration = "3" if mode == "try" else "2"
+    ttl = "0.005" if mode.endswith("try") else repr(min(0.5, max(0.01, 10 * pair)))
+    duration = "3" if mode.endswith("try") else "2"
     command = [sys.executable, str(HERE / "race_worker.py"), db.url, db.table, "hot", ttl, "4", duration, mode]
     grants = [g for out in run_together([command] * 3) for g in json.loads(out)]
     assert_race_was_safe(db, grants)

@@ -10,6 +10,7 @@ import alembic.context
 import alembic.op
 import pytest
 
+import dblock.aio
 import dblock.migrate
 from .conftest import Db
 
@@ -19,7 +20,8 @@ from .conftest import Db
 # any snapshot, or a later create_schema pairs a forgotten module with a fresh
 # one. For the same reason the tests ask for `pg` (which may start pgserver,
 # and import psutil that its clean-up needs) before `pytester`.
-assert alembic.context and alembic.op and dblock.migrate
+# dblock.aio likewise: dblock caches its AsyncLease class, which a re-import would replace.
+assert alembic.context and alembic.op and dblock.migrate and dblock.aio
 
 pytest_plugins = ["pytester"]
 
@@ -96,6 +98,59 @@ def test_users_tests_run_on_the_fixtures(pg: Db, pytester: pytest.Pytester) -> N
     assert pg.query("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'dblock_test_%%'") == []
 
 
+ASYNC_TESTS = '''
+import asyncio
+
+import dblock
+import pytest
+
+
+@pytest.mark.asyncio
+async def test_an_expired_async_lease_is_taken_over(dblock_async_locker, dblock_expire, dblock_acompete):
+    lease = await dblock_async_locker.acquire("job")
+    dblock_expire(lease)
+    assert lease.remaining() > 0  # not told, as after a real pause
+
+    async def newer(other):
+        await asyncio.sleep(0)
+        return other.token
+
+    assert await dblock_acompete("job", newer) > lease.token
+    with pytest.raises(dblock.LeaseLost):
+        await lease.extend()
+
+
+@pytest.mark.asyncio
+async def test_a_live_async_lease_keeps_the_competitor_out(dblock_async_locker, dblock_acompete, dblock_compete):
+    lease = await dblock_async_locker.acquire("job")
+    with pytest.raises(dblock.LockNotAcquired):
+        await dblock_acompete("job", lambda other: None, timeout=0.05)
+    with pytest.raises(dblock.LockNotAcquired):
+        dblock_compete("job", lambda other: None, locker=dblock_async_locker)
+    await lease.release()
+    assert await dblock_acompete("job", lambda other: other.token) > lease.token
+
+
+@pytest.mark.asyncio
+async def test_acompete_without_a_locker_says_what_it_needs(dblock_acompete):
+    with pytest.raises(TypeError, match="locker="):
+        await dblock_acompete("job", lambda other: None)
+
+
+@pytest.mark.asyncio
+async def test_the_async_fixture_is_fresh(dblock_async_locker):
+    assert await dblock_async_locker.leases() == []
+    await dblock_async_locker.acquire("left-held")
+'''
+
+
+def test_async_tests_run_on_the_async_fixtures(pg: Db, pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_async=ASYNC_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
+    result.assert_outcomes(passed=4)
+    assert pg.query("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'dblock_test_%%'") == []
+
+
 SETTINGS_TEST = '''
 import os
 
@@ -153,7 +208,10 @@ def test_plugin_fixtures_leave_the_projects_own_fixtures_alone(pytester: pytest.
     pytester.runpytest().assert_outcomes(passed=1)
     listed = pytester.runpytest("--fixtures")
     names = set(re.findall(r"^(dblock_\w+)", listed.stdout.str(), re.M))
-    assert names == {"dblock_postgresql", "dblock_url", "dblock_locker", "dblock_expire", "dblock_compete"}
+    assert names == {
+        "dblock_postgresql", "dblock_url", "dblock_locker", "dblock_expire", "dblock_compete",
+        "dblock_async_locker", "dblock_acompete",
+    }
 
 
 def test_the_plugin_costs_nothing_until_a_fixture_is_used(tmp_path: Path) -> None:
