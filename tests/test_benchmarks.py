@@ -22,6 +22,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("many_names.py", ["--names", "200", "--chunk", "50"]),
         ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
         ("queue_ops.py", ["--sizes", "3,30", "--rounds", "1", "--calls", "3", "--listeners", "2"]),
+        ("aio.py", ["--rounds", "1", "--pairs", "3", "--tasks", "3", "--seconds", "0.3"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
