@@ -28,7 +28,7 @@ import time
 import weakref
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar, Union
 
 from sqlalchemy.engine import URL, Engine
 
@@ -56,6 +56,8 @@ cleanup_log = logging.getLogger("dblock.cleanup")
 
 AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 RETRY = 0.5  # background clean-up: seconds between tries while the database stays away
 
 __all__ = ["AsyncLease", "AsyncLocker", "AsyncOnLost"]
@@ -224,6 +226,21 @@ class AsyncLocker:
             renew,
             on_lost,
         )
+
+    def locked(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+        """``@locker.locked("report-{customer_id}", ttl=60)`` on a coroutine function: each call
+        runs holding the lock, as ``Locker.locked`` (name templates, ``dblock.current_lease()``)."""
+        from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
+
+        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)  # type: ignore[arg-type]
 
     async def _guarded(self, name: str, ttl: float, attempt: _Try, work: Awaitable[T]) -> T:
         """Run an acquire; if it is cancelled, or cut off in doubt, end whatever it may have granted."""

@@ -23,26 +23,28 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, ParamSpec, TypeVar
 
 from ._validate import check_name, check_renew, check_timeout, check_ttl
 from .lease import Lease
+from .locker import Locker
 from .renew import OnLost
 
 if TYPE_CHECKING:
-    from .locker import Locker
+    from .aio import AsyncLocker
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 log = logging.getLogger("dblock.release")
 
-_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dblock_current_lease", default=None)
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("dblock_current_lease", default=None)
 
 
-def current_lease() -> Lease | None:
-    """The lease of the innermost ``@locked`` function running in this thread or task, or None."""
+def current_lease() -> Any:
+    """The lease of the innermost ``@locked`` function running in this thread or task, or None
+    (a ``Lease``; an ``AsyncLease`` under ``AsyncLocker.locked``)."""
     return _current.get()
 
 
 def locked(
-    locker: Locker,
+    locker: Locker | AsyncLocker,
     name: str,
     *,
     ttl: float | None = None,
@@ -59,6 +61,9 @@ def locked(
     fields = _fields(name)
     if not fields:
         check_name(name)
+    native = not isinstance(locker, Locker)  # an AsyncLocker: its own awaitable calls
+    alocker: Any = locker
+    slocker: Locker = locker  # type: ignore[assignment]  # used only when not native
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
@@ -86,12 +91,31 @@ def locked(
                 raise ValueError(f"lock name {name!r} needs the argument {absent[0]!r}, which this call of {fn.__name__}() lacks")
             return check_name(name.format_map(values))
 
+        if native and not inspect.iscoroutinefunction(fn):
+            raise TypeError(
+                f"AsyncLocker.locked wraps coroutine functions; {fn.__qualname__} is not one (use a Locker's @locked)"
+            )
+        if native:
+
+            @functools.wraps(fn)
+            async def run_native(*args: Any, **kwargs: Any) -> Any:
+                async with alocker.lock(
+                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost
+                ) as lease:
+                    mark = _current.set(lease)
+                    try:
+                        return await fn(*args, **kwargs)  # type: ignore[misc]
+                    finally:
+                        _current.reset(mark)
+
+            return run_native  # type: ignore[return-value]
+
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 key = lock_name(args, kwargs)
-                lease = await _acquire_off_loop(lambda: locker.acquire(
+                lease = await _acquire_off_loop(lambda: slocker.acquire(
                     key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost
                 ))
                 mark = _current.set(lease)
@@ -109,7 +133,7 @@ def locked(
 
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
-            with locker.lock(lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost) as lease:
+            with slocker.lock(lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost) as lease:
                 mark = _current.set(lease)
                 try:
                     return fn(*args, **kwargs)

@@ -415,3 +415,33 @@ async def test_one_locker_belongs_to_one_event_loop(db: Db) -> None:
 
     await asyncio.to_thread(elsewhere)
     await locker.aclose()
+
+
+# -- the decorator --------------------------------------------------------------------
+async def test_locked_runs_each_call_holding_its_own_name(db: Db) -> None:
+    async with alocker(db) as locker:
+        seen: list[tuple[str, int]] = []
+
+        @locker.locked("report-{customer}", ttl=5, timeout=0)
+        async def report(customer: str) -> str:
+            lease = dblock.current_lease()
+            assert isinstance(lease, AsyncLease)
+            seen.append((lease.name, lease.token))
+            assert (f"report-{customer}", lease.token) in held(db)
+            await asyncio.sleep(0.2)
+            return customer
+
+        first = asyncio.create_task(report("acme"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(LockNotAcquired):  # the same customer: held by the first call
+            await report("acme")
+        assert await report("globex") == "globex"
+        assert await first == "acme"
+        assert sorted(n for n, _ in seen) == ["report-acme", "report-globex"]
+        assert held(db) == [] and dblock.current_lease() is None
+
+
+async def test_locked_refuses_a_plain_function(db: Db) -> None:
+    async with alocker(db) as locker:
+        with pytest.raises(TypeError, match="coroutine"):
+            locker.locked("x")(lambda: None)
