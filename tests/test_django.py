@@ -166,6 +166,24 @@ def test_locker_is_one_per_alias_and_options(django_env: DjangoEnv) -> None:  # 
     assert locker("sqlite").engine.url == database_url("sqlite")
 
 
+def test_locker_follows_the_settings_to_the_test_database(django_env: DjangoEnv, tmp_path: Any) -> None:  # noqa: F811
+    """Django's test runner renames an alias's database in place; locker() then works on the new one."""
+    from django.db import connections
+
+    from dblock.contrib.django import locker
+
+    before = locker("sqlite")
+    settings = connections.settings["sqlite"]
+    real = settings["NAME"]
+    settings["NAME"] = str(tmp_path / "test_app.sqlite3")
+    try:
+        moved = locker("sqlite")
+        assert moved is not before and moved.engine.url.database == settings["NAME"]
+    finally:
+        settings["NAME"] = real
+    assert locker("sqlite") is before
+
+
 def test_a_forked_child_makes_its_own_locker(django_env: DjangoEnv, name: str) -> None:  # noqa: F811
     from dblock.contrib.django import locker
 

@@ -138,7 +138,7 @@ def _postgresql_url(settings: dict[str, Any], alias: str) -> URL:
     return URL.create("postgresql+psycopg", username=user, password=password, database=database, query=query)
 
 
-# -- one Locker per alias (and options) per process -------------------------------
+# -- one Locker per database (and options) per process ------------------------------
 _lockers: dict[tuple[int, str, tuple[tuple[str, Any], ...]], Locker] = {}
 _guard = threading.Lock()
 
@@ -147,17 +147,20 @@ def locker(alias: str = DEFAULT_DB_ALIAS, **options: Any) -> Locker:
     """The Locker on ``settings.DATABASES[alias]``, made on first use and shared by the process's threads.
 
     ``options`` are the Locker's (``ttl``, ``timeout``, ``label``, ...); each
-    different set gets a Locker of its own. A forked child (a prefork worker)
-    makes its own and leaves its parent's alone. Bad settings raise ValueError
-    before any connection.
+    different set gets a Locker of its own. The settings are read at every
+    call: after Django's test runner points the alias at the test database,
+    this is a Locker on that one. A forked child (a prefork worker) makes its
+    own and leaves its parent's alone. Bad settings raise ValueError before
+    any connection.
     """
-    key = (os.getpid(), alias, tuple(sorted(options.items())))
+    url = database_url(alias)
+    key = (os.getpid(), url.render_as_string(hide_password=False), tuple(sorted(options.items())))
     with _guard:
         found = _lockers.get(key)
         if found is None:
-            from dblock import Locker  # SQLAlchemy loads when a Locker is first wanted, not with the app
+            from dblock import Locker  # SQLAlchemy's engine loads when a Locker is first wanted, not with the app
 
-            found = _lockers[key] = Locker(database_url(alias), **options)
+            found = _lockers[key] = Locker(url, **options)
         return found
 
 
