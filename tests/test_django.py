@@ -19,7 +19,7 @@ from dblock import FencedOut, LeaseLost
 from dblock.cli import EXIT_BUSY, EXIT_NOT_HELD, EXIT_USAGE
 
 from .conftest import libpq_dsn, wait_for
-from .django_support import ROOT, DjangoEnv, django_env, manage  # noqa: F401 - django_env is a fixture
+from .django_support import ROOT, DjangoEnv, django_env, drop_database, manage  # noqa: F401 - django_env is a fixture
 
 pytest.importorskip("django")
 
@@ -480,6 +480,17 @@ def test_fence_token_field_defaults() -> None:
     rebuilt = FenceTokenField(*args, **kwargs)
     assert (rebuilt.default, rebuilt.editable, rebuilt.db_index) == (0, False, True)
     assert path == "dblock.contrib.django.fields.FenceTokenField"
+
+
+def test_under_djangos_test_runner(django_env: DjangoEnv) -> None:  # noqa: F811
+    """`manage.py test`: the test database gets dblock's tables from the migration, and locker() locks there."""
+    try:
+        out = manage(django_env, "test", "tests.django_app.runner_checks", "--noinput", DBLOCK_DJANGO_REFUSED="0")
+    finally:  # left behind when the runner could not drop it
+        test_db = make_url(django_env.pg_url).set(database="test_" + make_url(django_env.pg_url).database)
+        drop_database(django_env.pg_url, test_db.render_as_string(hide_password=False))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Ran 1 test" in out.stderr and "OK" in out.stderr and "error" not in out.stderr.lower()
 
 
 def test_importing_dblock_does_not_import_django() -> None:
