@@ -48,25 +48,24 @@ def _row(alias: str, pk: int) -> tuple[int, int]:
 
 
 class _Queries:
-    """Every statement Django sends on ``alias`` inside the block (``.sql``)."""
+    """``with _Queries(alias) as sent``: ``sent.sql``, every statement Django sent on ``alias`` in the block."""
 
     def __init__(self, alias: str) -> None:
         from django.db import connections
+        from django.test.utils import CaptureQueriesContext
 
-        self.connection = connections[alias]
-        self.sql: list[str] = []
+        self._capture = CaptureQueriesContext(connections[alias])
 
     def __enter__(self) -> _Queries:
-        self._hook = self.connection.execute_wrapper(self._record)
-        self._hook.__enter__()
+        self._capture.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hook.__exit__(*exc)
+        self._capture.__exit__(*exc)
 
-    def _record(self, execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        self.sql.append(sql)
-        return execute(sql, params, many, context)
+    @property
+    def sql(self) -> list[str]:
+        return [query["sql"] for query in self._capture.captured_queries]
 
 
 # -- the database of an alias ---------------------------------------------------

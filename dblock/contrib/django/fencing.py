@@ -37,11 +37,15 @@ def fenced_update(
     """
     token = token_of(lease)
     if not isinstance(queryset, models.QuerySet):
-        raise TypeError(f"fenced_update needs a QuerySet, e.g. Model.objects.filter(...), not {type(queryset).__name__}")
+        raise TypeError(
+            f"fenced_update needs a QuerySet, e.g. Model.objects.filter(...), not {type(queryset).__name__}"
+        )
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, not {type(strict).__name__}")
     if queryset.query.is_sliced:
-        raise TypeError("fenced_update cannot update a sliced queryset (neither can QuerySet.update); filter it instead")
+        raise TypeError(
+            "fenced_update cannot update a sliced queryset (neither can QuerySet.update); filter it instead"
+        )
     model = queryset.model
     fence = _own_field(model, column, "the fence column")
     if not isinstance(fence, models.BigIntegerField):

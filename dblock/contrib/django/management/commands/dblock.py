@@ -29,11 +29,14 @@ class Command(BaseCommand):
         "`manage.py dblock status`, `manage.py dblock run NAME --database other -- CMD ARGS`. "
         "See `dblock --help`; the exit codes are the same."
     )
-    requires_system_checks: list[str] = []  # `run` in a crontab should start fast
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="alias in settings.DATABASES (default: default)")
-        parser.add_argument("args", nargs=argparse.REMAINDER, metavar="COMMAND", help="dblock's command and its arguments")
+        parser.add_argument(
+            "--database", default=DEFAULT_DB_ALIAS, help="alias in settings.DATABASES (default: default)"
+        )
+        parser.add_argument(
+            "args", nargs=argparse.REMAINDER, metavar="COMMAND", help="dblock's command and its arguments"
+        )
 
     def run_from_argv(self, argv: list[str]) -> None:
         # The dblock command's parser reads the arguments, not Django's: the
