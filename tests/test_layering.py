@@ -29,10 +29,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "dblock"
 
 # SQLAlchemy offers no public accessor for these (fencing.py inspects a statement before it runs).
+# Django's model API is _meta and _base_manager (documented); a queryset's database is _db or,
+# unset, the router's choice given its _hints, as QuerySet.update() decides.
 THIRD_PARTY = {
     ("fencing", "_returning"),
     ("fencing", "_traverse_internals"),
     ("fencing", "_values"),
+    ("contrib/django/fencing", "_meta"),
+    ("contrib/django/fencing", "_base_manager"),
+    ("contrib/django/fencing", "_db"),
+    ("contrib/django/fencing", "_hints"),
 }
 
 
@@ -60,7 +66,11 @@ def _defines(tree: ast.Module) -> set[str]:
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.glob("*.py"))}
+    """Every module of the package, subpackages (``contrib/django/fencing``) included."""
+    return {
+        p.relative_to(PACKAGE).with_suffix("").as_posix(): ast.parse(p.read_text(), str(p))
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
 
 
 def _dblock_module(node: ast.ImportFrom) -> bool:
@@ -83,7 +93,7 @@ def violations(modules: dict[str, ast.Module]) -> list[str]:
                 found.append(f"dblock/{module}.py:{node.lineno}: .{node.attr} (defined in {', '.join(whose)})")
             elif isinstance(node, ast.ImportFrom) and _dblock_module(node):
                 for alias in node.names:
-                    if _private(alias.name) and alias.name not in modules:  # a private module is fine
+                    if _private(alias.name) and alias.name not in modules:  # a private module is fine (_core)
                         found.append(f"dblock/{module}.py:{node.lineno}: imports {alias.name} from {node.module}")
     return found
 

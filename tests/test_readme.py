@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import subprocess
@@ -97,3 +98,46 @@ def test_first_command_runs_under_a_lock_on_the_embedded_default(tmp_path: Path)
     out = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "holding nightly, fencing token 1\n"
+
+
+def test_readme_django_example_runs(pg_url: str, tmp_path: Path) -> None:
+    """The python blocks of "Django" as a project's files: makemigrations, migrate, then debit()."""
+    pytest.importorskip("django")
+    from .django_support import drop_database, scratch_database
+
+    section = (ROOT / "README.md").read_text().split("\n## Django\n", 1)[1].split("\n## ", 1)[0]
+    files = {block.split("\n", 1)[0].removeprefix("# "): block for block in re.findall(r"```python\n(.*?)```", section, re.S)}
+    assert set(files) == {"settings.py", "shop/models.py", "shop/jobs.py"}
+    url = make_url(scratch_database(pg_url))
+    (tmp_path / "shop").mkdir()
+    (tmp_path / "shop" / "__init__.py").write_text("")
+    for path, text in files.items():
+        (tmp_path / path).write_text(text)
+    with (tmp_path / "settings.py").open("a") as settings:
+        database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.database, "USER": url.username or "",
+                    "PASSWORD": url.password or "", "HOST": url.host or "", "PORT": str(url.port or "")}
+        settings.write(f"DATABASES = {{'default': {database!r}}}\nSECRET_KEY = 'readme'\nUSE_TZ = True\n"
+                       "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DJANGO_SETTINGS_MODULE": "settings", "PYTHONPATH": str(tmp_path)}
+
+    def manage(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "django", *args], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    try:
+        manage("makemigrations", "shop", "-v", "0")
+        manage("migrate", "-v", "0")
+        script = (
+            "from shop.jobs import debit\nfrom shop.models import Account\n"
+            "Account.objects.create(pk=1, balance=100)\nprint(debit(1, 30))\n"
+            "print(*Account.objects.values_list('balance', 'fence_token').get(pk=1))"
+        )
+        result, row = manage("shell", "-v", "0", "-c", script).splitlines()
+        assert result == "debited"
+        balance, token = map(int, row.split())
+        assert balance == 70 and token >= 1
+        assert manage("dblock", "status") == "no leases held\n"
+    finally:
+        drop_database(pg_url, url.render_as_string(hide_password=False))

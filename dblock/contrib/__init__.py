@@ -1,0 +1,1 @@
+"""Integrations with frameworks; each is imported only by applications that use it."""
