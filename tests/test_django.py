@@ -144,7 +144,7 @@ def test_assume_role_is_the_role_dblock_works_as(django_env: DjangoEnv) -> None:
     admin.execute(f"CREATE ROLE {role} NOLOGIN")
     try:
         settings = {"NAME": pg.database, "USER": pg.username, "PASSWORD": pg.password or "", "HOST": pg.host,
-                    "PORT": str(pg.port), "OPTIONS": {"assume_role": role}}
+                    "PORT": str(pg.port or 5432), "OPTIONS": {"assume_role": role}}
         engine, _, _ = engine_for(_postgresql_url(settings, "x"))
         with engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT current_user, session_user").one() == (role, pg.username)
