@@ -12,7 +12,6 @@ lease's attributes stands in for any other lease (such as an AsyncLease).
 from __future__ import annotations
 
 import pickle
-import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -50,7 +49,7 @@ from dblock.orm import fenced_session as sync_fenced_session  # noqa: E402
 from dblock.schema import fences_table_name  # noqa: E402
 
 from .conftest import Db, wait_for  # noqa: E402
-from .test_fencing import Counter, takeover  # noqa: E402
+from .test_fencing import Counter, Takeover, lost_lease, takeover  # noqa: E402
 from .test_orm import Models  # noqa: E402
 
 
@@ -69,6 +68,17 @@ class Aio:
 
     def _record(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         self.statements.append(statement)
+
+    @asynccontextmanager
+    async def open(self, via: str, engine: AsyncEngine | None = None) -> AsyncIterator[Any]:
+        """An AsyncConnection or an AsyncSession on ``engine`` (default: this one's), no transaction begun."""
+        engine = self.engine if engine is None else engine
+        if via == "connection":
+            async with engine.connect() as conn:
+                yield conn
+        else:
+            async with AsyncSession(engine) as session:
+                yield session
 
     @asynccontextmanager
     async def begin(self, via: str) -> AsyncIterator[Any]:
@@ -353,35 +363,14 @@ async def test_check_lease_passes_while_live_and_refuses_a_taken_over_lease(
 async def test_a_checked_lease_cannot_be_taken_over_before_the_commit(db: Db, counter: Counter, aio: Aio) -> None:
     locker = db.locker()
     lease = locker.acquire("resource", ttl=0.3)
-    other = db.locker()
-    granted: list[dblock.Lease] = []
     t = counter.table
     async with aio.engine.connect() as conn:
         await check_lease(conn, lease)  # first in the transaction: what it locks must hold until commit
         wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
-        if db.backend == "postgresql":
-            thread = threading.Thread(target=lambda: granted.append(other.acquire("resource", timeout=30)))
-            thread.start()
-            waiting = lambda: bool(  # noqa: E731
-                db.query(
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                    (f"%{db.table}%",),
-                )
-            )
-            wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
-        else:
-            try:  # the takeover needs SQLite's write lock, which the check took
-                granted.append(other.acquire("resource", timeout=0.2))
-            except dblock.LockNotAcquired:
-                pass
-        before = bool(granted)
+        attempt = Takeover(db)
         await conn.execute(update(t).where(t.c.id == 1).values(owner=1))
         await conn.commit()
-    if db.backend == "postgresql":
-        thread.join(30)
-    else:
-        granted.append(other.acquire("resource", timeout=0))
-    assert (before, bool(granted)) == (False, True)
+    assert (attempt.before, attempt.after_commit()) == (False, True)
     assert counter.row() == (0, 1, 0)
 
 
@@ -390,9 +379,9 @@ async def test_a_checked_lease_cannot_be_taken_over_before_the_commit(db: Db, co
 async def test_commit_guard_commits_while_the_lease_is_live(db: Db, counter: Counter, aio: Aio, via: str) -> None:
     lease = db.locker().acquire("resource")
     t = counter.table
-    async with aio.engine.connect() as conn, AsyncSession(aio.engine) as session:
-        async with commit_guard(conn if via == "connection" else session, like(lease)) as guarded:
-            await guarded.execute(update(t).where(t.c.id == 1).values(owner=1))
+    async with aio.open(via) as target, commit_guard(target, like(lease)) as guarded:
+        assert guarded is target
+        await guarded.execute(update(t).where(t.c.id == 1).values(owner=1))
     assert counter.row() == (0, 1, 0)
 
 
@@ -401,8 +390,7 @@ async def test_commit_guard_commits_while_the_lease_is_live(db: Db, counter: Cou
 async def test_commit_guard_checks_a_commit_made_inside_the_block(db: Db, counter: Counter, aio: Aio, via: str) -> None:
     lease = db.locker().acquire("resource")
     t = counter.table
-    async with aio.engine.connect() as conn, AsyncSession(aio.engine) as session:
-        target: Any = conn if via == "connection" else session
+    async with aio.open(via) as target:
         with pytest.raises(LeaseLost):
             async with commit_guard(target, lease):
                 await target.execute(update(t).where(t.c.id == 1).values(owner=1))
@@ -420,17 +408,9 @@ async def test_commit_guard_checks_a_commit_made_inside_the_block(db: Db, counte
 async def test_commit_guard_rolls_back_when_the_lease_is_gone(
     db: Db, counter: Counter, aio: Aio, via: str, lost: str
 ) -> None:
-    locker = db.locker()
-    lease = locker.acquire("resource", ttl=0.05 if lost != "released" else 30)
-    if lost == "released":
-        lease.release()
-    elif lost == "taken over":
-        takeover(db.locker(), "resource")
-    else:
-        wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
+    lease = lost_lease(db, lost)
     t = counter.table
-    async with aio.engine.connect() as conn, AsyncSession(aio.engine) as session:
-        target: Any = conn if via == "connection" else session
+    async with aio.open(via) as target:
         with pytest.raises(LeaseLost):
             async with commit_guard(target, lease):
                 await target.execute(update(t).where(t.c.id == 1).values(owner=1))
@@ -447,8 +427,7 @@ async def test_commit_guard_checks_at_commit_time_not_when_the_transaction_began
     locker = db.locker()
     lease = locker.acquire("resource", ttl=0.3)
     t = counter.table
-    async with aio.engine.connect() as conn, AsyncSession(aio.engine) as session:
-        target: Any = conn if via == "connection" else session
+    async with aio.open(via) as target:
         with pytest.raises(LeaseLost):
             async with commit_guard(target, lease):
                 await target.execute(update(t).where(t.c.id == 1).values(owner=1))  # the transaction begins
@@ -501,8 +480,7 @@ async def test_commit_guard_refuses_an_autocommit_connection_before_the_block_ru
     t = counter.table
     autocommit = aio.engine.execution_options(isolation_level="AUTOCOMMIT")
     ran: list[bool] = []
-    async with autocommit.connect() as conn, AsyncSession(autocommit) as session:
-        target: Any = conn if via == "connection" else session
+    async with aio.open(via, autocommit) as target:
         aio.statements.clear()
         with pytest.raises(ValueError, match="AUTOCOMMIT"):
             async with commit_guard(target, lease):
@@ -510,8 +488,7 @@ async def test_commit_guard_refuses_an_autocommit_connection_before_the_block_ru
                 await target.execute(update(t).where(t.c.id == 1).values(owner=1))
         assert not ran, "the block's body ran on an AUTOCOMMIT connection"
         assert aio.statements == []
-        if via == "session":
-            assert not session.in_transaction()  # the check left no transaction behind
+        assert not target.in_transaction()  # the check left no transaction behind
     assert counter.row() == (0, 0, 0)
 
 
