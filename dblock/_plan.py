@@ -17,9 +17,10 @@ differs. An error a statement raises is thrown into the plan at its
 called ``execute`` itself.
 
 A ``Probe`` is a look at the caller's connection that may need I/O but is no
-statement (e.g. whether it autocommits: a Session has to take its connection
-first). The sync face calls it with its Connection or Session; the asyncio
-face runs it in SQLAlchemy's greenlet (``run_sync``), with theirs.
+statement of the plan's (e.g. whether it autocommits: a Session has to take
+its connection first). The sync face calls it with its Connection or Session;
+the asyncio face runs it in SQLAlchemy's greenlet (``run_sync``), with the
+``sync_connection`` or ``sync_session``.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ TokenLike = Union[LeaseLike, int]
 
 
 def is_lease(value: object) -> TypeGuard[LeaseLike]:
-    """Whether ``value`` is lease-like: ``name``, ``owner``, ``token``, and a ``locker`` with ``table`` and ``schema``."""
+    """Whether ``value`` is lease-like: ``name``, ``owner``, ``token``, a ``locker`` with ``table`` and ``schema``."""
     if isinstance(value, int):
         return False
     locker = getattr(value, "locker", None)
