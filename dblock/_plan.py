@@ -13,7 +13,7 @@ does no I/O of its own. A face only executes what the plan yields:
 So both faces send the same statements in the same order and read their
 results the same way: the two ``run`` loops below are the only code that
 differs. An error a statement raises is thrown into the plan at its
-``yield``, so a plan can translate it (``with schema_hint(...)``) as if it had
+``yield``, so a plan can translate it (``with _schema_hint(...)``) as if it had
 called ``execute`` itself.
 
 A ``Probe`` is a look at the caller's connection that may need I/O but is no

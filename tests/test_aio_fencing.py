@@ -555,11 +555,13 @@ async def test_both_faces_send_the_same_statements_and_decide_the_same(
 
 
 # -- bad input changes nothing ----------------------------------------------------------------
+LISTED = dblock.LeaseInfo("r", "o", 5, None, None, 1.0)  # type: ignore[arg-type]  # a row of Locker.leases()
 BAD: list[tuple[Callable[[Any, Any, Any], Awaitable[Any]], type]] = [
     (lambda c, t, l: fenced_update(c, update(t).values(n=1), True), TypeError),
     (lambda c, t, l: fenced_update(c, update(t).values(n=1), 0), ValueError),
     (lambda c, t, l: fenced_update(c, update(t).values(n=1), "5"), TypeError),
     (lambda c, t, l: fenced_update(c, update(t).values(n=1), LeaseLike("r", "o", "5", Where("locks"))), TypeError),
+    (lambda c, t, l: fenced_update(c, update(t).values(n=1), LISTED), TypeError),  # a listing, no locker: not a lease
     (lambda c, t, l: fenced_update(c, update(t).values(fence_token=99), l), ValueError),
     (lambda c, t, l: fenced_update(c, update(t).values(n=1), l, column="nope"), ValueError),
     (lambda c, t, l: fenced_update(c, insert(t).values(n=1), l), TypeError),
