@@ -12,14 +12,24 @@ together. Three tools, from the cheapest:
   column to spare; checked and bumped in the caller's transaction.
 - ``check_lease`` / ``commit_guard``: fail closed at commit time. The lease
   itself must still be the live one, and stays so until the commit.
+
+Each helper is a thin shell: its checks, statements and decisions are a plan
+(``update_plan``, ``read_plan``, ``upsert_plan``, ``fence_plan``,
+``check_plan``; see ``dblock._plan``) that this module runs on a Connection or
+Session, and ``dblock.aio_fencing`` on an AsyncConnection or AsyncSession.
+One source for the SQL of both faces.
+
+A lease here is dblock's ``Lease``, its asyncio ``AsyncLease``, or any object
+with their attributes (``LeaseLike``): nothing but those attributes is used.
 """
 
 from __future__ import annotations
 
 import functools
 import sqlite3
+import sys
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Protocol, TypeGuard, Union
 
 import psycopg
 from sqlalchemy import Column, Table, case, event, inspect, literal, select, text, update
@@ -31,20 +41,82 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Update
 from sqlalchemy.sql.selectable import Select
 
-from ._validate import check_identifier, check_name, check_token
+from ._plan import Plan, Probe, Run, run
+from ._validate import check_identifier, check_name, check_text, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
-from .lease import Lease
 from .schema import DEFAULT_TABLE, fences_table
 from .statements import SQLITE_NOW
 
 Target = Union[Connection, Session]
-TokenLike = Union[Lease, int]
 DEFAULT_COLUMN = "fence_token"
 
 
+class LockerLike(Protocol):
+    """Where a lease lives: its Locker's (or AsyncLocker's) lock table and schema."""
+
+    @property
+    def table(self) -> str: ...
+
+    @property
+    def schema(self) -> str | None: ...
+
+
+class LeaseLike(Protocol):
+    """A lease as fencing sees it: a ``Lease``, an ``AsyncLease``, or any object with these attributes."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def token(self) -> int: ...
+
+    @property
+    def locker(self) -> LockerLike: ...
+
+
+TokenLike = Union[LeaseLike, int]
+
+
+def is_lease(value: object) -> TypeGuard[LeaseLike]:
+    """Whether ``value`` is lease-like: ``name``, ``owner``, ``token``, a ``locker`` with ``table`` and ``schema``."""
+    if isinstance(value, int):
+        return False
+    locker = getattr(value, "locker", None)
+    return all(hasattr(value, a) for a in ("name", "owner", "token")) and all(
+        hasattr(locker, a) for a in ("table", "schema")
+    )
+
+
 def token_of(lease: TokenLike) -> int:
-    """The fencing token of a Lease, or a token passed as an int (e.g. ``$DBLOCK_TOKEN``)."""
-    return lease.token if isinstance(lease, Lease) else check_token(lease)
+    """The fencing token of a lease, or a token passed as an int (e.g. ``$DBLOCK_TOKEN``)."""
+    return check_token(lease.token if is_lease(lease) else lease)
+
+
+class LeaseRef(NamedTuple):
+    """A lease's identity and the lock table it lives in, checked (what ``check_plan`` compares)."""
+
+    name: str
+    owner: str
+    token: int
+    table: str
+    schema: str | None
+
+
+def lease_ref(lease: object, what: str) -> LeaseRef:
+    """``lease``'s LeaseRef, or TypeError/ValueError before any SQL (``what`` names the caller)."""
+    if not is_lease(lease):
+        raise TypeError(f"{what} needs a Lease, not {type(lease).__name__}")
+    locker = lease.locker
+    return LeaseRef(
+        check_name(lease.name),
+        check_text(lease.owner, "lease owner"),
+        check_token(lease.token),
+        check_identifier(locker.table, "table"),
+        None if locker.schema is None else check_identifier(locker.schema, "schema"),
+    )
 
 
 # -- a token column on the guarded table ----------------------------------------
@@ -71,9 +143,14 @@ def fenced_update(
     no rows at all (returned as is, rowcount 0: not a fence failure). With
     ``.returning(...)`` the result holds the returned rows (already fetched).
     """
+    return run(conn, update_plan(stmt, lease, column, strict))
+
+
+def update_plan(stmt: Update, lease: TokenLike, column: str, strict: bool) -> Plan[Result[Any]]:
+    """``fenced_update``'s plan, for either face."""
     token = token_of(lease)
     col = _token_column(stmt, column)
-    result: Result[Any] = conn.execute(fenced(stmt, token, column=column, strict=strict))
+    result: Result[Any] = yield Run(fenced(stmt, token, column=column, strict=strict))
     if stmt._returning:
         # SQLite reports no rowcount for UPDATE ... RETURNING: count the rows.
         frozen = result.freeze()
@@ -88,7 +165,7 @@ def fenced_update(
         query = select(col).where(newer).order_by(col.desc()).limit(1)
         if stmt.whereclause is not None:
             query = query.where(stmt.whereclause)
-        winner = conn.execute(query).scalar()
+        winner = (yield Run(query)).scalar()
         if winner is not None:
             raise refused(token, f"table {col.table.name!r}", winner, strict)
     return result
@@ -115,6 +192,11 @@ def fenced_read(conn: Target, stmt: Select[Any], lease: TokenLike, *, column: st
     carries a newer token, FencedOut is raised: roll back. Rows that do not
     exist yet are not stamped (none are returned).
     """
+    return run(conn, read_plan(conn, stmt, lease, column))
+
+
+def read_plan(conn: Target, stmt: Select[Any], lease: TokenLike, column: str) -> Plan[Result[Any]]:
+    """``fenced_read``'s plan, for either face (``conn``: the sync Connection or Session, not executed on)."""
     token = token_of(lease)
     if not isinstance(conn, (Connection, Session)):
         raise TypeError(f"fenced_read needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
@@ -129,13 +211,11 @@ def fenced_read(conn: Target, stmt: Select[Any], lease: TokenLike, *, column: st
         stamp = stamp.where(stmt.whereclause)
     # The stored token comes back after the caller's columns, under a name of its own.
     stamp = stamp.returning(*returning, col.label("dblock_fence_token"))
-    if isinstance(conn, Session):
-        # Objects come back refreshed from the stamped row; nothing else in the
-        # session is touched (a stale copy elsewhere fails its own flush).
-        options = {"synchronize_session": False, "populate_existing": True}
-        frozen = conn.execute(stamp, execution_options=options).freeze()
-    else:
-        frozen = conn.execute(stamp).freeze()
+    # Through a Session, objects come back refreshed from the stamped row;
+    # nothing else in the session is touched (a stale copy elsewhere fails its own flush).
+    options = {"synchronize_session": False, "populate_existing": True} if isinstance(conn, Session) else {}
+    stamped: Result[Any] = yield Run(stamp, options=options)
+    frozen = stamped.freeze()
     newest = max((row[-1] for row in frozen.data), default=None)
     if newest is not None and newest > token:
         raise refused(
@@ -215,6 +295,19 @@ def fenced_upsert(
     (default: the primary key). Raises FencedOut when the row exists with a
     newer token; nothing is written then.
     """
+    run(conn, upsert_plan(conn, table, values, lease, index_elements, column, strict))
+
+
+def upsert_plan(
+    conn: Target,
+    table: Any,
+    values: Mapping[str, Any],
+    lease: TokenLike,
+    index_elements: list[str] | None,
+    column: str,
+    strict: bool,
+) -> Plan[None]:
+    """``fenced_upsert``'s plan, for either face (``conn``: the sync Connection or Session, not executed on)."""
     token = token_of(lease)
     t = _table(table)
     if column not in t.c:
@@ -239,11 +332,11 @@ def fenced_upsert(
         set_=update,
         where=(fence_col < token) if strict else (fence_col <= token),
     ).returning(fence_col)
-    if conn.execute(stmt).first() is None:  # the row exists and DO UPDATE's WHERE refused this token
+    if (yield Run(stmt)).first() is None:  # the row exists and DO UPDATE's WHERE refused this token
         key = {k: values[k] for k in keys if k in values}
         winner = None
         if len(key) == len(keys):
-            winner = conn.execute(select(fence_col).where(*[t.c[k] == v for k, v in key.items()])).scalar()
+            winner = (yield Run(select(fence_col).where(*[t.c[k] == v for k, v in key.items()]))).scalar()
         raise refused(token, f"table {t.name!r}", winner, strict)
 
 
@@ -265,15 +358,22 @@ def fence(
     transaction commit only together with a passed fence. ``table``/``schema``
     name dblock's lock table (default: the lease's Locker's; ``locks``).
     """
+    run(conn, fence_plan(conn, lease, resource, strict, table, schema))
+
+
+def fence_plan(
+    conn: Target, lease: TokenLike, resource: str | None, strict: bool, table: str | None, schema: str | None
+) -> Plan[None]:
+    """``fence``'s plan, for either face (``conn``: the sync Connection or Session, not executed on)."""
     token = token_of(lease)
     if resource is None:
-        if not isinstance(lease, Lease):
+        if not is_lease(lease):
             raise TypeError("pass resource= when fencing with a bare token")
         resource = lease.name
     check_name(resource)
     if table is None:
-        table = lease.locker.table if isinstance(lease, Lease) else DEFAULT_TABLE
-    if schema is None and isinstance(lease, Lease):
+        table = lease.locker.table if is_lease(lease) else DEFAULT_TABLE
+    if schema is None and is_lease(lease):
         schema = lease.locker.schema
     t = _fences(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
     insert = _insert_for(_dialect(conn))
@@ -284,14 +384,14 @@ def fence(
         where=(t.c.last_token < token) if strict else (t.c.last_token <= token),
     ).returning(t.c.last_token)
     with _schema_hint(t.name):
-        passed = conn.execute(stmt).first()
+        passed = (yield Run(stmt)).first()
     if passed is None:
-        winner = conn.execute(select(t.c.last_token).where(t.c.resource == resource)).scalar()
+        winner = (yield Run(select(t.c.last_token).where(t.c.resource == resource))).scalar()
         raise refused(token, f"resource {resource!r}", winner, strict)
 
 
 # -- commit-time lease check (fail closed) ----------------------------------------
-def check_lease(conn: Target, lease: Lease) -> None:
+def check_lease(conn: Target, lease: LeaseLike) -> None:
     """In the caller's transaction: raise LeaseLost unless ``lease`` is the live lease now (database time).
 
     On success the lease cannot be taken over until this transaction ends: the
@@ -300,16 +400,18 @@ def check_lease(conn: Target, lease: Lease) -> None:
     last statement before commit, or use ``commit_guard``. Do not release or
     extend the lease from the same thread before that commit: both wait for it.
     """
-    if not isinstance(lease, Lease):
-        raise TypeError(f"check_lease needs a Lease, not {type(lease).__name__}")
+    run(conn, check_plan(conn, lease_ref(lease, "check_lease")))
+
+
+def check_plan(conn: Target, lease: LeaseRef) -> Plan[None]:
+    """``check_lease``'s plan, for either face (``conn``: the sync Connection or Session, not executed on)."""
     dialect = _dialect(conn)
-    if _in_autocommit(conn):
+    if (yield Probe(_in_autocommit)):
         raise ValueError("check_lease needs a transaction: on an AUTOCOMMIT connection its lock would end at once")
     quote = dialect.identifier_preparer.quote
-    locker = lease.locker
-    sql = _lease_check_sql(dialect.name, (quote(locker.schema) + "." if locker.schema else "") + quote(locker.table))
-    with _schema_hint(locker.table):
-        row = conn.execute(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token}).first()
+    sql = _lease_check_sql(dialect.name, (quote(lease.schema) + "." if lease.schema else "") + quote(lease.table))
+    with _schema_hint(lease.table):
+        row = (yield Run(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token})).first()
     if row is None:
         raise LeaseLost(
             f"lease on {lease.name!r} (token {lease.token}) is no longer the live lease: "
@@ -336,7 +438,7 @@ def _lease_check_sql(dialect: str, t: str) -> str:
 
 
 @contextmanager
-def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
+def commit_guard(conn: Target, lease: LeaseLike) -> Iterator[Target]:
     """``with commit_guard(session_or_conn, lease):`` commits at the end only if the lease is still live.
 
     On a clean exit it commits, and every commit inside the block (yours
@@ -346,19 +448,37 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
     An AUTOCOMMIT connection is refused with ValueError on entering, before
     the block runs.
     """
-    if not isinstance(lease, Lease):
-        raise TypeError(f"commit_guard needs a Lease, not {type(lease).__name__}")
+    ref = lease_ref(lease, "commit_guard")
     if not isinstance(conn, (Connection, Session)):
         raise TypeError(f"commit_guard needs a SQLAlchemy Connection or Session, not {type(conn).__name__}")
-    _refuse_autocommit(conn, "commit_guard")
+    refuse_autocommit(conn, "commit_guard")
+    with checked_commits(conn, ref):
+        try:
+            yield conn
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+
+
+@contextmanager
+def checked_commits(conn: Target, lease: LeaseRef) -> Iterator[None]:
+    """While the block lasts, every commit of ``conn`` first runs ``check_plan`` as its last statement.
+
+    Shared by both faces' ``commit_guard``. These are SQLAlchemy's sync
+    events, on the Session or Connection itself; for an AsyncSession or
+    AsyncConnection pass its ``sync_session`` or ``sync_connection``: its
+    commit runs them in SQLAlchemy's greenlet, where the check's statement
+    goes through the asyncio driver like any other.
+    """
 
     def before_commit(session: Session) -> None:
         session.flush()  # the check must come after the last write
-        check_lease(session, lease)
+        run(session, check_plan(session, lease))
 
     def on_commit(connection: Connection) -> None:
         try:
-            check_lease(connection, lease)
+            run(connection, check_plan(connection, lease))
         except BaseException:
             # SQLAlchemy calls this just before the driver's COMMIT: roll the
             # driver's transaction back first, so nothing of it can commit.
@@ -370,11 +490,7 @@ def commit_guard(conn: Target, lease: Lease) -> Iterator[Target]:
     else:
         event.listen(conn, "commit", on_commit)
     try:
-        yield conn
-        conn.commit()
-    except BaseException:
-        conn.rollback()
-        raise
+        yield
     finally:
         if isinstance(conn, Session):
             event.remove(conn, "before_commit", before_commit)
@@ -439,7 +555,7 @@ def _check_not_null(col: Column[Any]) -> None:
         raise ValueError(f"fence column {col.name!r} must be NOT NULL DEFAULT 0, not nullable")
 
 
-def _refuse_autocommit(conn: Target, what: str) -> None:
+def refuse_autocommit(conn: Target, what: str) -> None:
     """Raise ValueError, before anything runs, if ``conn`` would commit each statement on its own.
 
     On an AUTOCOMMIT connection every write in a guarded block would commit
@@ -462,11 +578,15 @@ def _refuse_autocommit(conn: Target, what: str) -> None:
 
 
 def _in_autocommit(conn: Target) -> bool:
+    # The driver's own connection: psycopg's or sqlite3's, or under SQLAlchemy's
+    # asyncio extension psycopg's AsyncConnection or aiosqlite's Connection
+    # (loaded by whoever made it: dblock does not import aiosqlite).
     connection = conn.connection() if isinstance(conn, Session) else conn
     driver = connection.connection.driver_connection
-    if isinstance(driver, psycopg.Connection):
+    if isinstance(driver, (psycopg.Connection, psycopg.AsyncConnection)):
         return bool(driver.autocommit)
-    if isinstance(driver, sqlite3.Connection):
+    aiosqlite = sys.modules.get("aiosqlite")
+    if isinstance(driver, sqlite3.Connection) or (aiosqlite is not None and isinstance(driver, aiosqlite.Connection)):
         return driver.isolation_level is None
     return False
 

@@ -8,6 +8,10 @@ value against the lease before the flush (refusing a row a newer lease already
 wrote) and stamps the lease's token into the row. Together: the row is written
 only if no newer lease wrote it, checked by the database in the same
 statement as the write (G4).
+
+``dblock.aio_fencing.fenced_session`` is the same block for an
+``AsyncSession``: it puts the same ``FlushFence`` in force on the session's
+``sync_session`` (``fence_flushes``), whose flush events these handlers are.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, object_session, scoped_session
 from sqlalchemy.orm.exc import StaleDataError
 
+from ._plan import Plan, Run, run
+from .errors import FencedOut
 from .fencing import TokenLike, refused, token_of
 
 __all__ = ["Fenced", "fenced_session"]
@@ -64,15 +70,43 @@ def _check_mapper(mapper: Mapper[Any], cls: Any) -> None:
 
 
 @dataclass
-class _Fence:
+class FlushFence:
+    """The fence in force on one Session inside a fenced_session block (either face's)."""
+
     token: int
     strict: bool
     touched: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)
     stamped: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)  # this transaction
 
+    def newest_token(self) -> Plan[int | None]:
+        """A plan: the largest token now on the rows this block tried to write (run it after the rollback)."""
+        newest: int | None = None
+        by_mapper: dict[Mapper[Any], list[tuple[Any, ...]]] = {}
+        for mapper, identity in self.touched:
+            by_mapper.setdefault(mapper, []).append(identity)
+        for mapper, identities in by_mapper.items():
+            table = mapper.local_table if "fence_token" in mapper.local_table.c else mapper.base_mapper.local_table
+            pk = mapper.primary_key
+            match = or_(*[_pk_equals(pk, identity) for identity in identities])
+            found = (yield Run(select(table.c.fence_token).where(match))).scalars().all()
+            for value in found:
+                if newest is None or value > newest:
+                    newest = value
+        return newest
+
+    def refusal(self, winner: int | None) -> FencedOut | None:
+        """After a flush found its rows changed: FencedOut if ``winner`` (newest_token's) beats this lease.
+
+        None: the change came from an older lease's write (or ours elsewhere),
+        an ordinary concurrent change, not a lost lock.
+        """
+        if winner is not None and (winner > self.token or (self.strict and winner == self.token)):
+            return refused(self.token, "a row flushed in this session", winner, self.strict)
+        return None
+
 
 # The fence in force for each Session inside a fenced_session block.
-_active: weakref.WeakKeyDictionary[Session, _Fence] = weakref.WeakKeyDictionary()
+_active: weakref.WeakKeyDictionary[Session, FlushFence] = weakref.WeakKeyDictionary()
 
 
 @contextmanager
@@ -92,11 +126,39 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
         session = session()
     if not isinstance(session, Session):
         raise TypeError(f"fenced_session needs a SQLAlchemy Session, not {type(session).__name__}")
+    with fence_flushes(session, token, strict) as fence:
+        try:
+            yield session
+            session.flush()
+        except StaleDataError as exc:
+            # The row's token is no longer the one loaded. A newer lease's write
+            # means we are fenced out; an older lease's (or our own elsewhere) is
+            # an ordinary concurrent change: re-raised as is, retry with fresh data.
+            session.rollback()
+            winner = run(session, fence.newest_token())
+            session.rollback()  # end the read's own transaction too
+            lost = fence.refusal(winner)
+            if lost is not None:
+                raise lost from exc
+            raise
+        except BaseException:
+            session.rollback()  # nothing made inside the block may be flushed later, unfenced
+            raise
+
+
+@contextmanager
+def fence_flushes(session: Session, token: int, strict: bool) -> Iterator[FlushFence]:
+    """Put a FlushFence for ``token`` in force on ``session`` for the block, and take it off after.
+
+    Shared by both faces' ``fenced_session`` (an AsyncSession's is its
+    ``sync_session``). Refuses a non-bool ``strict`` and a session already
+    inside a fenced_session block.
+    """
     if not isinstance(strict, bool):
         raise TypeError("strict must be True or False")
     if session in _active:
         raise RuntimeError("this Session is already inside a fenced_session block")
-    fence = _Fence(token, strict)
+    fence = FlushFence(token, strict)
 
     def transaction_ended(session: Session, transaction: Any) -> None:
         if transaction.parent is None:
@@ -105,48 +167,17 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
     _active[session] = fence
     event.listen(session, "after_transaction_end", transaction_ended)
     try:
-        yield session
-        session.flush()
-    except StaleDataError as exc:
-        # The row's token is no longer the one loaded. A newer lease's write
-        # means we are fenced out; an older lease's (or our own elsewhere) is
-        # an ordinary concurrent change: re-raised as is, retry with fresh data.
-        session.rollback()
-        winner = _newest_token(session, fence)
-        session.rollback()  # end the read's own transaction too
-        if winner is not None and (winner > token or (strict and winner == token)):
-            raise refused(token, "a row flushed in this session", winner, strict) from exc
-        raise
-    except BaseException:
-        session.rollback()  # nothing made inside the block may be flushed later, unfenced
-        raise
+        yield fence
     finally:
         _active.pop(session, None)
         event.remove(session, "after_transaction_end", transaction_ended)
-
-
-def _newest_token(session: Session, fence: _Fence) -> int | None:
-    """The largest token now on the rows this block tried to write (after the rollback)."""
-    newest: int | None = None
-    by_mapper: dict[Mapper[Any], list[tuple[Any, ...]]] = {}
-    for mapper, identity in fence.touched:
-        by_mapper.setdefault(mapper, []).append(identity)
-    for mapper, identities in by_mapper.items():
-        table = mapper.local_table if "fence_token" in mapper.local_table.c else mapper.base_mapper.local_table
-        pk = mapper.primary_key
-        match = or_(*[_pk_equals(pk, identity) for identity in identities])
-        found = session.execute(select(table.c.fence_token).where(match)).scalars().all()
-        for value in found:
-            if newest is None or value > newest:
-                newest = value
-    return newest
 
 
 def _pk_equals(pk: Any, identity: tuple[Any, ...]) -> Any:
     return and_(*[col == value for col, value in zip(pk, identity)])
 
 
-def _fence_of(target: Any) -> _Fence | None:
+def _fence_of(target: Any) -> FlushFence | None:
     session = object_session(target)
     return None if session is None else _active.get(session)
 
@@ -165,7 +196,7 @@ def _key(mapper: Mapper[Any], target: Any) -> tuple[Mapper[Any], tuple[Any, ...]
     return mapper.base_mapper, tuple(mapper.primary_key_from_instance(target))
 
 
-def _check(fence: _Fence, mapper: Mapper[Any], target: Any) -> None:
+def _check(fence: FlushFence, mapper: Mapper[Any], target: Any) -> None:
     key = _key(mapper, target)
     fence.touched.add(key)
     loaded = _loaded_token(target)

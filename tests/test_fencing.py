@@ -566,20 +566,67 @@ def test_commit_guard_refuses_an_autocommit_connection_before_the_block_runs(
     assert counter.accepted() == []
 
 
-@pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
-def test_commit_guard_rolls_back_when_the_lease_is_gone(db: Db, counter: Counter, lost: str) -> None:
+def lost_lease(db: Db, how: str) -> dblock.Lease:
+    """A lease on "resource" that is gone before it is used: "expired", "taken over" or "released"."""
     locker = db.locker()
-    lease = locker.acquire("resource", ttl=0.05 if lost != "released" else 30)
-    if lost == "released":
+    lease = locker.acquire("resource", ttl=0.05 if how != "released" else 30)
+    if how == "released":
         lease.release()
-    elif lost == "taken over":
+    elif how == "taken over":
         takeover(db.locker(), "resource")
     else:
         wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
+    return lease
+
+
+@pytest.mark.parametrize("lost", ["expired", "taken over", "released"])
+def test_commit_guard_rolls_back_when_the_lease_is_gone(db: Db, counter: Counter, lost: str) -> None:
+    lease = lost_lease(db, lost)
     t = counter.table
     with pytest.raises(LeaseLost), counter.engine.connect() as conn, dblock.commit_guard(conn, lease):
         conn.execute(update(t).where(t.c.id == 1).values(owner=1))
     assert counter.row() == (0, 0, 0)
+
+
+class Takeover:
+    """Another client's acquire of "resource", tried while a checked transaction is open.
+
+    ``before``: whether it was granted then. ``after_commit()``: whether it is
+    granted once that transaction has ended. Shared with the asyncio tests.
+    """
+
+    def __init__(self, db: Db) -> None:
+        self.other = db.locker()
+        self.granted: list[dblock.Lease] = []
+        self.thread: threading.Thread | None = None
+        if db.backend == "postgresql":
+            self.thread = threading.Thread(target=self._acquire)
+            self.thread.start()
+            # The takeover's UPDATE waits for the row lock that the check holds, or is granted.
+            waiting = lambda: bool(  # noqa: E731
+                db.query(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+                    (f"%{db.table}%",),
+                )
+            )
+            thread = self.thread
+            wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
+        else:
+            try:  # the takeover needs SQLite's write lock, which the check took
+                self.granted.append(self.other.acquire("resource", timeout=0.2))
+            except dblock.LockNotAcquired:
+                pass
+        self.before = bool(self.granted)
+
+    def _acquire(self) -> None:
+        self.granted.append(self.other.acquire("resource", timeout=30))
+
+    def after_commit(self) -> bool:
+        if self.thread is not None:
+            self.thread.join(30)
+        elif not self.granted:
+            self.granted.append(self.other.acquire("resource", timeout=0))
+        return bool(self.granted)
 
 
 def _guarded_takeover(db: Db, counter: Counter) -> tuple[bool, bool]:
@@ -593,34 +640,11 @@ def _guarded_takeover(db: Db, counter: Counter) -> tuple[bool, bool]:
     conn = counter.engine.connect()
     dblock.check_lease(conn, lease)  # first in the transaction: what it locks must hold until commit
     wait_for(lambda: not locker.leases(), what="the lease to expire by database time")
-    other = db.locker()
-    granted: list[dblock.Lease] = []
-    if db.backend == "postgresql":
-        thread = threading.Thread(target=lambda: granted.append(other.acquire("resource", timeout=30)))
-        thread.start()
-        # The takeover's UPDATE waits for the row lock that the check holds, or is granted.
-        waiting = lambda: bool(  # noqa: E731
-            db.query(
-                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                (f"%{db.table}%",),
-            )
-        )
-        wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
-        before = bool(granted)
-    else:
-        try:  # the takeover needs SQLite's write lock, which the check took
-            granted.append(other.acquire("resource", timeout=0.2))
-        except dblock.LockNotAcquired:
-            pass
-        before = bool(granted)
+    attempt = Takeover(db)
     conn.execute(update(t).where(t.c.id == 1).values(owner=1))
     conn.commit()
     conn.close()
-    if db.backend == "postgresql":
-        thread.join(30)
-    elif not granted:
-        granted.append(other.acquire("resource", timeout=0))
-    return before, bool(granted)
+    return attempt.before, attempt.after_commit()
 
 
 def test_a_checked_lease_cannot_be_taken_over_before_the_commit(db: Db, counter: Counter) -> None:
