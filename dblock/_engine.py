@@ -52,6 +52,10 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
         return _sqlite_engine(URL.create("sqlite", database=str(path))), True, True
     if not isinstance(url, Engine) and isinstance(getattr(url, "sync_engine", None), Engine):
         url = url.sync_engine  # an AsyncEngine (asyncpg, psycopg's async mode): dblock reads its URL
+    if isinstance(url, Engine) and url.dialect.is_async:
+        # Its connections need SQLAlchemy's greenlet context, which dblock's own
+        # calls (and create_schema's Alembic) do not run in: dblock makes its own engine.
+        url = url.url
     if isinstance(url, Engine):
         if url.dialect.name == "sqlite":
             return _sqlite_engine(_pysqlite(url.url)), False, True

@@ -60,7 +60,24 @@ R = TypeVar("R")
 P = ParamSpec("P")
 RETRY = 0.5  # background clean-up: seconds between tries while the database stays away
 
-__all__ = ["AsyncLease", "AsyncLocker", "AsyncOnLost"]
+__all__ = [
+    "AsyncLease", "AsyncLocker", "AsyncOnLost",
+    "check_lease", "commit_guard", "fence", "fenced", "fenced_read", "fenced_session", "fenced_update", "fenced_upsert",
+]
+# Fenced writes on AsyncConnection / AsyncSession (``aio_fencing``), loaded on first use;
+# ``fenced`` (which only builds a statement) is the sync module's own.
+_FENCING = {name: ".aio_fencing" for name in __all__[3:]} | {"fenced": ".fencing"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _FENCING.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
+
+    value = getattr(importlib.import_module(module, __package__), name)
+    globals()[name] = value
+    return value
 
 
 class _Extended(NamedTuple):
