@@ -121,9 +121,10 @@ async def test_it_takes_an_async_engine(pg: Db) -> None:
 
     engine = create_async_engine(pg.url)
     try:
-        async with AsyncLocker(engine, table=pg.table) as locker, dblock.Locker(engine, table=pg.table) as sync:
-            await locker.create_schema()  # Alembic, on an engine of dblock's own: not the app's async one
-            sync.create_schema()
+        with dblock.Locker(engine, table=pg.table) as sync:
+            sync.create_schema()  # Alembic, on an engine of dblock's own: not the app's async one
+        async with AsyncLocker(engine, table=pg.table) as locker:
+            await locker.create_schema()
             async with locker.lock("engine") as lease:
                 assert held(pg) == [("engine", lease.token)]
     finally:
