@@ -7,9 +7,9 @@ dblock's own version table, never in the app's ``alembic_version``:
 - with the app's: ``run_with(context)`` in the app's Alembic env.py, so that the
   app's ``alembic upgrade head`` brings dblock's tables up first, on its connection.
 
-The app's history never holds dblock's revisions, so it keeps one head. (Apps may
-also list ``dblock:_migrations/versions`` in their ``version_locations``; the
-databases they make record dblock's revision in the app's ``alembic_version``, which
+The app's history never holds dblock's revisions, so it keeps one head. (Apps once
+listed ``dblock:_migrations/versions`` in their ``version_locations`` instead; the
+databases they made record dblock's revision in the app's ``alembic_version``, which
 ``upgrade`` recognises and ``run_with`` moves to dblock's table.) Autogenerate must
 not see dblock's tables: ``exclude_dblock``, which ``run_with`` puts in place.
 ``upgrade`` reads first and changes nothing when the tables are already at dblock's
@@ -62,30 +62,26 @@ IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 
 
 def migrations_dir() -> Path:
-    """The ``migrations`` folder: inside the installed wheel, or beside the package in a checkout."""
+    """The ``migrations`` folder: inside the installed wheel (as ``_alembic``), or beside the package in a checkout."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_migrations", here.parent / "migrations"):
+    for candidate in (here / "_alembic", here.parent / "migrations"):
         if (candidate / "env.py").is_file():
             return candidate
-    raise FileNotFoundError(f"dblock's migrations are missing (looked in {here / '_migrations'})")
+    raise FileNotFoundError(f"dblock's migrations are missing (looked in {here / '_alembic'})")
 
 
 def target() -> tuple[str, str | None]:
-    """For dblock's migration scripts: the (table, schema) being migrated.
-
-    dblock's own env.py puts them in ``config.attributes``. Run from an app's
-    history instead, they come from the app's ``alembic.ini`` main section
-    (``dblock_table``, ``dblock_schema``), else the default table ``locks``.
-    """
+    """For dblock's migration scripts: the (table, schema) being migrated, which dblock's env.py
+    puts in ``config.attributes``. Any other env.py running them is refused."""
     from alembic import context
 
-    config = context.config
-    attributes = config.attributes
-    if "dblock_table" in attributes:
-        return attributes["dblock_table"], attributes["dblock_schema"]
-    table = check_identifier(config.get_main_option("dblock_table", DEFAULT_TABLE), "dblock_table")
-    schema = config.get_main_option("dblock_schema")
-    return table, None if not schema else check_identifier(schema, "dblock_schema")
+    attributes = context.config.attributes
+    if "dblock_table" not in attributes:
+        raise CommandError(
+            "dblock's revisions run only through dblock: dblock.migrate.run_with(context) in your env.py, "
+            "`dblock migrate` or Locker.create_schema(), never from your app's version_locations"
+        )
+    return attributes["dblock_table"], attributes["dblock_schema"]
 
 
 def exclude_dblock(
