@@ -292,6 +292,8 @@ def run_with(context: Any, *, table: str = DEFAULT_TABLE, schema: str | None = N
         app: MigrationContext = context.get_context()
     except Exception as exc:  # noqa: BLE001 - Alembic raises a bare Exception: "No context has been configured yet."
         raise CommandError(_PLACE) from exc
+    if app.script is not None:
+        app.script.get_heads()  # loads the app's revisions: one that cannot load (the old branch) fails before any SQL
     app.opts["include_object"] = exclude_dblock(table, schema=schema, include_object=app.opts.get("include_object"))
     running = _alembic_command(app)
     if running is None:
@@ -348,7 +350,7 @@ def _app_context_kept(app: MigrationContext) -> Iterator[None]:
 def _upgrade_online(conn: Connection, app: MigrationContext, cfg: Config, table: str, schema: str | None) -> None:
     heads, ours = _revisions(cfg)
     if conn.dialect.name == "postgresql":
-        check_replication(conn, stacklevel=6)  # at the env.py line that calls run_with
+        check_replication(conn, stacklevel=4)  # at the env.py line that calls run_with
     old = _old_setup(conn, app, ours)
     state, recorded = _look(conn, table, schema, heads, ours)
     if not old and (state == "current" or (state == "complete" and recorded)):
