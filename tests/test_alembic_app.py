@@ -9,7 +9,6 @@ migrations" adds to it. A newer dblock is this one copied with one more revision
 from __future__ import annotations
 
 import re
-import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,12 +20,11 @@ from alembic.runtime.environment import EnvironmentContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import create_engine, inspect, text
-from sqlalchemy.engine import make_url
 
 from dblock import DBLockError, Locker, migrate
 from dblock.schema import DEFAULT_TABLE, fences_table_name, version_table_name
 
-from .conftest import libpq_dsn
+from .conftest import libpq_dsn, lock_once, scratch_database
 
 ROOT = Path(__file__).resolve().parent.parent
 DBLOCK_HEAD = ScriptDirectory(str(migrate.migrations_dir())).get_current_head()
@@ -207,37 +205,20 @@ class App:
         )
         return copy / "dblock"
 
-    def lock_once(self) -> int:
-        with Locker(self.url, table=self.table, schema=self.schema) as locker:
-            lease = locker.try_acquire("app-job")
-            assert lease is not None
-            lease.release()
-            return lease.token
-
-
-def scratch_database(pg_url: str) -> Iterator[str]:
-    """A database of the app's own (autogenerate compares all of it), dropped afterwards."""
-    name = "alembic_app_" + secrets.token_hex(4)
-    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-        try:
-            yield make_url(pg_url).set(database=name).render_as_string(hide_password=False)
-        finally:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
-
-
 @pytest.fixture(params=["postgresql", "sqlite"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """The URL of the app's empty database."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'app.db'}"
     else:
-        yield from scratch_database(request.getfixturevalue("pg_url"))
+        with scratch_database(request.getfixturevalue("pg_url"), "alembic_app_") as url:
+            yield url
 
 
 @pytest.fixture
 def pg_database(pg_url: str) -> Iterator[str]:
-    yield from scratch_database(pg_url)
+    with scratch_database(pg_url, "alembic_app_") as url:
+        yield url
 
 
 def make_app(tmp_path: Path, wheel_venv: Path, url: str, *, custom: bool) -> App:
@@ -264,7 +245,7 @@ def test_upgrade_head_runs_dblock_beside_the_app_with_one_head(database: str, wh
     app.alembic("upgrade", "head")
     assert app.versions() == {second} and app.alembic("heads").stdout.split() == [second, "(head)"]
     assert app.site_packages() == package  # nothing of the app's landed in the installed dblock
-    assert app.lock_once() >= 1
+    assert lock_once(app.url, app.table, app.schema) >= 1
 
     dblock = app.dblock_catalog()
     app.alembic("downgrade", "-1")

@@ -43,7 +43,7 @@ from dblock.schema import (
     waiters_table_name,
 )
 
-from .conftest import libpq_dsn, wait_for
+from .conftest import libpq_dsn, lock_once, scratch_database, wait_for
 
 APP_ENV = '''
 from alembic import context
@@ -171,11 +171,7 @@ class App:
             assert sorted(removed) == sorted(dblock_tables), done
 
     def lock_once(self) -> int:
-        with Locker(self.url, table=self.table, schema=self.schema) as locker:
-            lease = locker.try_acquire("app-job")
-            assert lease is not None
-            lease.release()
-            return lease.token
+        return lock_once(self.url, self.table, self.schema)
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -184,15 +180,8 @@ def app(request: pytest.FixtureRequest, wheel_venv: Path, tmp_path: Path) -> Ite
     if request.param == "sqlite":
         yield App(tmp_path / "app", wheel_venv, f"sqlite:///{tmp_path / 'app.db'}", DEFAULT_TABLE, None)
         return
-    pg_url = request.getfixturevalue("pg_url")
-    name = "app_" + secrets.token_hex(4)
-    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-        try:
-            url = make_url(pg_url).set(database=name).render_as_string(hide_password=False)
-            yield App(tmp_path / "app", wheel_venv, url, "app_locks", "dblock")
-        finally:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with scratch_database(request.getfixturevalue("pg_url"), "app_") as url:
+        yield App(tmp_path / "app", wheel_venv, url, "app_locks", "dblock")
 
 
 def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> None:
