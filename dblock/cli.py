@@ -3,7 +3,7 @@
     dblock run NAME [--ttl T] [--wait T] [--grace T] -- CMD [ARGS...]
     dblock status [NAME] [--json]
     dblock release NAME --force [--yes]
-    dblock migrate [--sql]
+    dblock migrate [--sql | --downgrade REV]
 
 ``--url`` (or ``$DBLOCK_URL``) picks the database; with neither, the embedded
 SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create or upgrade dblock's tables with its migrations (safe to run concurrently).",
     )
     migration.add_argument("--sql", action="store_true", help="print the DDL instead of running it")
+    migration.add_argument("--downgrade", metavar="REV",
+                           help="downgrade dblock's tables to one of its revisions instead; 'base' removes them "
+                           "(and dblock's version table), leaving every other table alone")
     migration.set_defaults(handler=_migrate, parser=migration)
     return parser
 
@@ -521,6 +524,8 @@ def _release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import migrate  # Alembic: loaded only for this command
 
+    if args.downgrade is not None:
+        return _downgrade(args, parser)
     if args.sql:
         if args.url is None:
             url = URL.create("sqlite", database=str(default_sqlite_path()))  # not created: only printed
@@ -533,6 +538,28 @@ def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     locker = _locker(args, parser)
     locker.create_schema()
     print(f"dblock: table {args.table!r} is up to date in {display_url(locker.engine.url)}", file=sys.stderr)
+    return 0
+
+
+def _downgrade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import migrate
+
+    known = migrate.revisions()
+    if args.sql:
+        parser.error("--sql prints the upgrade only; drop it to downgrade")
+    if args.downgrade != "base" and args.downgrade not in known:
+        parser.error(f"--downgrade takes base or one of dblock's revisions ({', '.join(known)}), not {args.downgrade!r}")
+    if _nothing_there(args):
+        print("dblock: the embedded default has no tables; nothing to downgrade", file=sys.stderr)
+        return 0
+    locker = _locker(args, parser)
+    with migrate.database_errors(locker.engine, args.table):
+        migrate.downgrade(locker.engine, args.table, args.schema, args.downgrade)
+    where = display_url(locker.engine.url)
+    if args.downgrade == "base":
+        print(f"dblock: removed dblock's tables of {args.table!r} from {where}", file=sys.stderr)
+    else:
+        print(f"dblock: table {args.table!r} is at {args.downgrade} in {where}", file=sys.stderr)
     return 0
 
 

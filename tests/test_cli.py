@@ -9,6 +9,7 @@ import secrets
 import select
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -409,6 +410,32 @@ def test_migrate_creates_the_tables_and_prints_the_ddl(tmp_path: Path) -> None:
     assert missing.returncode == EXIT_UNAVAILABLE and "dblock migrate" in missing.stderr
 
 
+def test_migrate_downgrade_removes_dblocks_tables_only(tmp_path: Path) -> None:
+    cli = Cli(None, tmp_path)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    made = cli("migrate", "--url", url)
+    assert made.returncode == 0, made
+    app = sqlite3.connect(tmp_path / "app.db")
+    app.execute("CREATE TABLE notes (id integer PRIMARY KEY)")
+    app.commit()
+
+    def tables() -> set[str]:
+        return {r[0] for r in app.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    down = cli("migrate", "--url", url, "--downgrade", "dblock_0002")
+    assert down.returncode == 0 and "is at dblock_0002" in down.stderr, down
+    assert app.execute("SELECT version_num FROM alembic_version_dblock").fetchall() == [("dblock_0002",)]
+    assert "label" not in {r[1] for r in app.execute("PRAGMA table_info(locks)")}
+    higher = cli("migrate", "--url", url, "--downgrade", "dblock_0003")  # above where the tables are
+    assert higher.returncode == EXIT_UNAVAILABLE and "below dblock_0003: nothing to downgrade" in higher.stderr
+    gone = cli("migrate", "--url", url, "--downgrade", "base")
+    assert gone.returncode == 0 and "removed dblock's tables" in gone.stderr, gone
+    assert tables() == {"notes"}  # dblock's version table too; the app's table stays
+    again = cli("migrate", "--url", url, "--downgrade", "base")
+    assert again.returncode == 0 and tables() == {"notes"}
+    app.close()
+
+
 def test_migrate_on_postgresql(pg: Db, tmp_path: Path) -> None:
     cli = Cli(None, tmp_path)
     table = pg.table + "_cli"
@@ -555,6 +582,8 @@ def test_status_json_is_exact_and_a_password_in_the_query_is_never_printed(pg_cl
         ["release", "x"],
         ["release", "x", "--force"],
         ["migrate", "--table", "1x"],
+        ["migrate", "--downgrade", "dblock_9999"],
+        ["migrate", "--downgrade", "base", "--sql"],
     ],
 )
 def test_bad_arguments_exit_2_with_usage_and_touch_nothing(
