@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Update
 from sqlalchemy.sql.selectable import Select
 
+from . import metrics
 from ._validate import check_identifier, check_name, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
 from .lease import Lease
@@ -90,7 +91,7 @@ def fenced_update(
             query = query.where(stmt.whereclause)
         winner = conn.execute(query).scalar()
         if winner is not None:
-            raise refused(token, f"table {col.table.name!r}", winner, strict)
+            raise refused(lease, f"table {col.table.name!r}", winner, strict)
     return result
 
 
@@ -139,7 +140,7 @@ def fenced_read(conn: Target, stmt: Select[Any], lease: TokenLike, *, column: st
     newest = max((row[-1] for row in frozen.data), default=None)
     if newest is not None and newest > token:
         raise refused(
-            token, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
+            lease, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
         )
     return frozen().columns(*range(len(returning)))
 
@@ -244,7 +245,7 @@ def fenced_upsert(
         winner = None
         if len(key) == len(keys):
             winner = conn.execute(select(fence_col).where(*[t.c[k] == v for k, v in key.items()])).scalar()
-        raise refused(token, f"table {t.name!r}", winner, strict)
+        raise refused(lease, f"table {t.name!r}", winner, strict)
 
 
 # -- the fences table -----------------------------------------------------------
@@ -287,7 +288,7 @@ def fence(
         passed = conn.execute(stmt).first()
     if passed is None:
         winner = conn.execute(select(t.c.last_token).where(t.c.resource == resource)).scalar()
-        raise refused(token, f"resource {resource!r}", winner, strict)
+        raise refused(lease, f"resource {resource!r}", winner, strict)
 
 
 # -- commit-time lease check (fail closed) ----------------------------------------
@@ -472,7 +473,7 @@ def _in_autocommit(conn: Target) -> bool:
 
 
 def refused(
-    token: int,
+    lease: TokenLike,
     what: str,
     winner: int | None,
     strict: bool,
@@ -480,10 +481,13 @@ def refused(
     verb: str = "write",
     outcome: str = "nothing was written",
 ) -> FencedOut:
-    """The FencedOut for ``token`` refused by ``what``, which accepted ``winner`` (None: unknown).
+    """The FencedOut for ``lease``'s token refused by ``what``, which accepted ``winner`` (None: unknown).
 
-    Shared with ``dblock.orm``, whose flushes are refused the same way.
+    Shared with ``dblock.orm``, whose flushes are refused the same way. Every
+    refusal comes through here, so here it is counted (``dblock.metrics``).
     """
+    token = token_of(lease)
+    metrics.recorder.fenced_out(lease.name if isinstance(lease, Lease) else None)
     if winner is None:
         accepted = "this token or a newer one (strict: one write per grant)" if strict else "a newer token"
     elif winner == token:

@@ -65,6 +65,7 @@ def _check_mapper(mapper: Mapper[Any], cls: Any) -> None:
 
 @dataclass
 class _Fence:
+    lease: TokenLike
     token: int
     strict: bool
     touched: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)
@@ -96,7 +97,7 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
         raise TypeError("strict must be True or False")
     if session in _active:
         raise RuntimeError("this Session is already inside a fenced_session block")
-    fence = _Fence(token, strict)
+    fence = _Fence(lease, token, strict)
 
     def transaction_ended(session: Session, transaction: Any) -> None:
         if transaction.parent is None:
@@ -115,7 +116,7 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
         winner = _newest_token(session, fence)
         session.rollback()  # end the read's own transaction too
         if winner is not None and (winner > token or (strict and winner == token)):
-            raise refused(token, "a row flushed in this session", winner, strict) from exc
+            raise refused(lease, "a row flushed in this session", winner, strict) from exc
         raise
     except BaseException:
         session.rollback()  # nothing made inside the block may be flushed later, unfenced
@@ -175,7 +176,7 @@ def _check(fence: _Fence, mapper: Mapper[Any], target: Any) -> None:
     # (autoflush, insert then update) are one write.
     again = loaded == fence.token and key not in fence.stamped
     if loaded > fence.token or (fence.strict and again):
-        raise refused(fence.token, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
+        raise refused(fence.lease, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
 
 
 def _has_column_changes(mapper: Mapper[Any], target: Any) -> bool:
