@@ -1,28 +1,15 @@
-"""Optional OpenTelemetry metrics: how long acquires wait, how long leases are held, and what goes wrong.
+"""Optional OpenTelemetry metrics (the README's "Metrics"): ``enable()``, ``disable()``, ``enabled()``.
 
-Off until ``enable()`` is called; then every Locker of this process records
-through OpenTelemetry's metrics API, into the global meter provider (or the
-one given). ``import dblock`` never imports OpenTelemetry, and while metrics
-are off each hook costs one call of a method that does nothing.
+Off until ``enable()``; then every Locker of this process records through
+OpenTelemetry's metrics API, into the meter provider given or the global one.
+``import dblock`` never imports OpenTelemetry. While off, each hook is one
+call of a method that does nothing (``Recorder``), and a lease's hold is
+``UNHELD``.
 
-Instruments (meter ``dblock``, the package's version):
-
-| name | kind, unit | one measurement per |
-|---|---|---|
-| ``dblock.lock.wait.duration`` | histogram, s | ``acquire``/``try_acquire``/``lock`` call, from its start to its grant or its end; ``dblock.lock.outcome``: ``acquired``, ``busy`` (``try_acquire`` found it held), ``timeout`` (``LockNotAcquired``), ``error`` (with ``error.type``) |
-| ``dblock.lock.hold.duration`` | histogram, s | lease, from its grant to its release or loss; ``dblock.lock.outcome``: ``released`` or ``lost`` |
-| ``dblock.lock.grants`` | counter, {grant} | lease granted |
-| ``dblock.lock.timeouts`` | counter, {timeout} | ``LockNotAcquired`` raised |
-| ``dblock.lock.losses`` | counter, {lease} | lease its holder found gone without its release: renewal or ``extend`` found it taken over (or could not extend it in time), or ``release`` found it already ended by someone else |
-| ``dblock.fence.refusals`` | counter, {write} | ``FencedOut`` raised by a fenced write (``dblock.fencing``, ``dblock.orm``) |
-
-The lock instruments carry ``db.system.name`` (``postgresql`` or ``sqlite``).
-Lock names can be many (``report-{customer_id}``), so ``dblock.lock.name`` is
-added only with ``enable(lock_names=True)``; fence refusals carry it for a
-fence given a Lease (a bare token has no name).
-
-How Lockers record (internal): they call ``recorder``, whose methods take
-plain values, so a sync and an async Locker record alike.
+The Lockers call ``recorder`` (``OFF``, or what ``enable()`` made) with plain
+values: the database system, the lock's name, monotonic start times and what
+came of a call. So a sync and an async Locker record alike, and what the
+instruments mean is written once, below.
 """
 
 from __future__ import annotations
@@ -46,6 +33,7 @@ ERROR_TYPE = "error.type"
 # Advisory bucket boundaries (seconds): a wait takes from a round trip to minutes, a hold up to hours.
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+
 
 class Hold:
     """One lease's hold, from its grant; it ends once, released or lost."""
@@ -125,7 +113,8 @@ class _Recording(Recorder):
             "dblock.lock.timeouts", unit="{timeout}", description="Acquires that ran out of time (LockNotAcquired)"
         )
         self.losses = meter.create_counter(
-            "dblock.lock.losses", unit="{lease}", description="Leases their holder found gone without its release"
+            "dblock.lock.losses", unit="{lease}",
+            description="Leases their holder found gone without releasing them: taken over, or not extended in time",
         )
         self.refusals = meter.create_counter(
             "dblock.fence.refusals", unit="{write}", description="Fenced writes refused: a newer token wrote first (FencedOut)"
