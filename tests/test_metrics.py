@@ -101,6 +101,18 @@ def test_a_grant_is_counted_and_its_wait_and_hold_timed(db: Db, recorded: Metric
     assert (found[GRANTS].unit, found[GRANTS].data.is_monotonic) == ("{grant}", True)
 
 
+def test_a_locked_call_is_timed(db: Db, recorded: Metrics) -> None:
+    locker = db.locker()
+
+    @locker.locked("job-{n}", ttl=30, timeout=1)
+    def work(n: int) -> bool:
+        return dblock.current_lease() is not None
+
+    assert work(1)
+    assert recorded.count(GRANTS) == 1 and recorded.count(WAIT, outcome="acquired") == 1
+    assert recorded.count(HOLD, outcome="released") == 1
+
+
 def test_the_wait_runs_from_the_call_to_the_grant(db: Db, recorded: Metrics) -> None:
     holder = db.locker().try_acquire("job", ttl=30)
     assert holder is not None
