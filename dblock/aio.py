@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpe
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
+from . import metrics
 from . import statements
 from ._adriver import AsyncDriver, Busy, OutOfTime
 from ._await import AsyncHeartbeat, AsyncHotspot, AsyncListener, AsyncSlot
@@ -182,7 +183,9 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
         attempt = _Try(secrets.token_hex(16))
-        lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        lease = await self._measured(
+            name, self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        )
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -206,6 +209,23 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost)
+        lease = await self._measured(name, self._acquire(name, ttl, timeout))
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def _measured(self, name: str, acquire: Awaitable[T]) -> T:
+        """``await acquire``, its wait and outcome recorded for ``dblock.metrics``."""
+        started = time.monotonic()
+        try:
+            lease = await acquire
+        except BaseException as exc:
+            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            raise
+        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        return lease
+
+    async def _acquire(self, name: str, ttl: float, timeout: float) -> AsyncLease:
         deadline = time.monotonic() + timeout
         if timeout <= 0:
             attempt = _Try(secrets.token_hex(16))
@@ -219,8 +239,6 @@ class AsyncLocker:
         else:
             attempt = _Try(secrets.token_hex(16))
             lease = await self._guarded(name, ttl, attempt, self._wait_in_line(name, attempt, ttl, timeout, deadline))
-        if renew:
-            lease.start_renewal(on_lost)
         return lease
 
     def lock(
@@ -486,11 +504,14 @@ class AsyncLocker:
         await self._ensure_schema()
         state.released = True  # before the statement: renewal must not take the cleared row for a loss
         key = {"name": name, "owner": owner, "token": token}
+        ended: bool | None = None
         try:
             ended = await self._end(key, self._deadline())
         except DatabaseUnavailable:
             self._later(f"the lease on {name!r} (token {token})", lambda: self._end(key, self._deadline()), state.ttl)
             raise
+        finally:
+            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
         if not self._queued:
             self._hot.released(name)
         return ended
@@ -612,7 +633,7 @@ class AsyncLocker:
                 break
 
     def _lose(self, ref: weakref.ref[AsyncLease], state: LeaseState, on_lost: AsyncOnLost | None, why: str) -> None:
-        state.lost.set()
+        state.lose()
         lease = ref()
         renew_log.error("lost the lease on %r: %s", getattr(lease, "name", "?"), why)
         if lease is not None and on_lost is not None:
@@ -741,7 +762,8 @@ class AsyncLease:
         self.name = name
         self.owner = owner
         self.token = token
-        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), lost=asyncio.Event())
+        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), hold, lost=asyncio.Event())
         self._renewal: asyncio.Task[None] | None = None
 
     @property
@@ -775,7 +797,7 @@ class AsyncLease:
         done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline())
         if done is None:
             if not self._state.released:
-                self._state.lost.set()
+                self._state.lose()
                 self._stop_renewal()
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
         self._state.extended(done.expires_at, ttl, done.sent_at)

@@ -9,6 +9,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from . import metrics
 from ._core import trusted_until
 from ._validate import check_ttl
 from .errors import LeaseLost
@@ -44,9 +45,11 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost")
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold")
 
-    def __init__(self, expires_at: datetime, ttl: float, trusted_until: float, lost: Any = None) -> None:
+    def __init__(
+        self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
+    ) -> None:
         self.expires_at = expires_at  # database time, timezone-aware
         self.ttl = ttl
         # G5: trusted until (when the acquire was *sent*) + ttl on this
@@ -55,6 +58,12 @@ class LeaseState:
         self.released = False
         # A threading.Event; an AsyncLease passes an asyncio.Event.
         self.lost = threading.Event() if lost is None else lost
+        self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
+
+    def lose(self) -> None:
+        """The holder learned that the lease is gone without its release."""
+        self.lost.set()
+        self.hold.end(lost=True)
 
     def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
         """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
@@ -95,7 +104,8 @@ class Lease:
         self.name = name
         self.owner = owner
         self.token = token
-        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl))
+        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
 
     @property
@@ -171,7 +181,7 @@ class Lease:
     def _lose(self) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal
         # gave up waiting) must not make the caller trust the lease again.
-        self._state.lost.set()
+        self._state.lose()
         if self._renewal is not None:
             self._keeper.renewer.drop(self._renewal)
 

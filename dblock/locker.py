@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
-from . import statements
+from . import metrics, statements
 from ._cleanup import Cleanup
 from ._core import OUTAGE_RETRY_MIN, Grant
 from ._core import EXPIRY_LOOKERS as EXPIRY_LOOKERS, FALLBACK_MAX as FALLBACK_MAX, GRACE as GRACE  # as before
@@ -166,14 +166,7 @@ class Locker:
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        owner = secrets.token_hex(16)
-        try:
-            lease, _ = self._attempt(name, owner, ttl, self._deadline())
-        except OutOfTime:
-            raise  # nothing was sent
-        except DatabaseUnavailable:
-            self._abandon(name, owner, ttl)
-            raise
+        lease = self._measured(name, lambda: self._try(name, secrets.token_hex(16), ttl, self._deadline()))
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -198,7 +191,7 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost)
-        lease = self._acquire(name, ttl, timeout)
+        lease = self._measured(name, lambda: self._acquire(name, ttl, timeout))
         if renew:
             lease.start_renewal(on_lost)
         return lease
@@ -207,19 +200,35 @@ class Locker:
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            try:
-                lease, _ = self._attempt(name, owner, ttl, self._bound(deadline))
-            except OutOfTime:
-                raise  # nothing was sent
-            except DatabaseUnavailable:
-                self._abandon(name, owner, ttl)
-                raise
+            lease = self._try(name, owner, ttl, self._bound(deadline))
             if lease is None:
                 raise LockNotAcquired(name, timeout)
             return lease
         if self._queued:
             return self._wait_in_queue(name, owner, ttl, timeout, deadline)
         return self._wait_in_line(name, owner, ttl, timeout, deadline)
+
+    def _measured(self, name: str, acquire: Callable[[], R]) -> R:
+        """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
+        started = time.monotonic()
+        try:
+            lease = acquire()
+        except BaseException as exc:
+            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            raise
+        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        return lease
+
+    def _try(self, name: str, owner: str, ttl: float, deadline: float) -> Lease | None:
+        """One attempt: a Lease, or None if another owner holds ``name``."""
+        try:
+            lease, _ = self._attempt(name, owner, ttl, deadline)
+        except OutOfTime:
+            raise  # nothing was sent
+        except DatabaseUnavailable:
+            self._abandon(name, owner, ttl)
+            raise
+        return lease
 
     def _proc_id(self) -> str:
         return self._proc.get()
@@ -676,6 +685,7 @@ class Keeper:
         # this release must not take it for a loss.
         state.released = True
         key = {"name": name, "owner": owner, "token": token}
+        ended: bool | None = None
         try:
             ended = locker._end(key, locker._deadline())
         except DatabaseUnavailable:
@@ -686,6 +696,8 @@ class Keeper:
                 time.monotonic() + state.ttl,
             )
             raise
+        finally:
+            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
         if not locker._queued:  # fair waiters are handed the lease by the release itself
             locker._hot.released(name)
         return ended

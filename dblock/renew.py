@@ -287,7 +287,7 @@ def _lose(lease: Lease, state: LeaseState, on_lost: OnLost | None, why: str) -> 
     if state.ended():
         return  # released meanwhile: the extend that raced the release found nothing, as it should
     # Once lost, stays lost. The entry has left the schedule already.
-    state.lost.set()
+    state.lose()
     log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
     if on_lost is not None:
         threading.Thread(

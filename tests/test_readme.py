@@ -47,6 +47,19 @@ def test_readme_decorator_example_runs(pg: Db, capsys: pytest.CaptureFixture[str
     assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
 
 
+def test_readme_metrics_example_runs(pg: Db) -> None:
+    """In a process of its own: OpenTelemetry's console exporter writes to the real stdout."""
+    url = 'Locker("postgresql+psycopg://app@db/app", ttl=30)'
+    (block,) = [b for b in python_blocks() if "dblock.metrics.enable(" in b]
+    assert url in block
+    code = block.replace(url, f"Locker({pg.url!r}, table={pg.table!r}, ttl=30)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("dblock.lock.wait.duration", "dblock.lock.hold.duration", "dblock.lock.grants"):
+        assert f'"name": "{name}"' in out.stdout, out.stdout
+    assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
+
+
 def test_readme_fencing_examples_run(pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every python block of "Fencing your writes", in order, on a scratch database."""
     text = (ROOT / "README.md").read_text()
