@@ -345,3 +345,28 @@ def test_enable_records_into_the_global_provider_set_up_later(pg: Db) -> None:
         print(sorted(m.name for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics))
     """)
     assert out.strip() == str(sorted([GRANTS, HOLD, WAIT]))
+
+
+def test_the_asyncio_face_records_the_same(db: Db, recorded: Metrics) -> None:
+    """AsyncLocker: a grant, a timeout, a loss found by renewal, each as the sync face records it."""
+    import asyncio
+
+    from dblock import AsyncLocker
+
+    async def main() -> None:
+        async with AsyncLocker(db.url, table=db.table) as locker:
+            lease = await locker.acquire("job", ttl=30, timeout=5)
+            with pytest.raises(dblock.LockNotAcquired):
+                await locker.acquire("job", timeout=0.05)
+            assert await lease.release() is True
+            lost = await locker.acquire("renewed", ttl=0.3, renew=True)
+            (info,) = await locker.leases()
+            await locker.force_release(info)
+            await asyncio.wait_for(lost.lost.wait(), 5)
+
+    asyncio.run(main())
+    assert recorded.count(GRANTS, system=db.backend) == 2
+    assert recorded.count(WAIT, outcome="acquired") == 2 and recorded.count(WAIT, outcome="timeout") == 1
+    assert recorded.count(TIMEOUTS) == 1
+    assert recorded.count(HOLD, outcome="released") == 1 and recorded.count(HOLD, outcome="lost") == 1
+    assert recorded.count(LOSSES) == 1
