@@ -7,6 +7,7 @@ run the job more than once: the tests can tell the two apart.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import sys
@@ -25,6 +26,7 @@ from dblock._core import when
 from .conftest import Db, libpq_dsn, wait_for, warm_waiting
 from .pgproxy import PgProxy
 from .test_waiting import count_statements, in_thread, joined, queue
+from .test_waiting import proxy as proxy  # the fixture: a PgProxy before the test's PostgreSQL
 from .workers import run_together
 
 HERE = Path(__file__).resolve().parent
@@ -105,7 +107,15 @@ def test_a_with_block_and_a_decorated_function_keep_the_lease_for_the_hold(db: D
     with pytest.raises(LockNotAcquired):
         report("monday")  # done already this period, on this machine or another
     report("tuesday")
-    assert runs == ["monday", "tuesday"]
+
+    @locker.locked("sync", timeout=0, min_hold=30)
+    async def sync() -> None:
+        runs.append("sync")
+
+    asyncio.run(sync())
+    with pytest.raises(LockNotAcquired):
+        asyncio.run(sync())
+    assert runs == ["monday", "tuesday", "sync"]
 
 
 def test_renewal_stops_at_a_held_release(db: Db) -> None:
@@ -190,13 +200,6 @@ def test_without_a_hold_release_sends_the_plain_statement_as_before(db: Db) -> N
     lease = locker.try_acquire("plain", min_hold=10)
     assert lease is not None and lease.release() is True
     assert sent[-1] == locker._sql.release_held and sent.count(locker._sql.release) == 3
-
-
-@pytest.fixture
-def proxy(pg: Db):
-    p = PgProxy(pg.url)
-    yield p
-    p.close()
 
 
 def test_a_held_release_is_one_round_trip_kept_or_ended(pg: Db, proxy: PgProxy) -> None:
