@@ -59,11 +59,16 @@ def test_a_release_within_the_hold_keeps_the_lease_until_its_grant_plus_the_hold
     assert lease.remaining() == 0
     assert other.try_acquire("nightly") is None
     assert [(i.name, i.token) for i in other.leases()] == [("nightly", lease.token)]
+    sent = count_statements(locker)
     assert lease.release() is False  # once
     with pytest.raises(LeaseLost):
         lease.extend()  # a kept lease must end on time
-    assert row(db, "nightly") == (owner, token, acquired, expires)
+    assert sent == [] and row(db, "nightly") == (owner, token, acquired, expires)
     assert "held until" in repr(lease)
+    # An operator can end it early, as any lease.
+    (info,) = other.leases()
+    assert other.force_release(info) is True
+    assert other.try_acquire("nightly") is not None
 
 
 def test_a_hold_longer_than_the_ttl_outlives_it_even_once_the_lease_ran_out(db: Db) -> None:
