@@ -1,6 +1,6 @@
 """The ``dblock`` command: run a command under a lock, list and break leases, migrate.
 
-    dblock run NAME [--ttl T] [--wait T] [--grace T] -- CMD [ARGS...]
+    dblock run NAME [--ttl T] [--wait T] [--grace T] [--min-interval T] -- CMD [ARGS...]
     dblock status [NAME] [--json]
     dblock release NAME --force [--yes]
     dblock migrate [--sql | --downgrade REV]
@@ -34,7 +34,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from ._process import describe_process
 from ._redact import display_url, redact
 from . import __version__
-from ._validate import check_identifier, check_name, check_timeout, check_ttl, human_seconds, parse_duration
+from ._validate import (
+    check_identifier, check_min_hold, check_name, check_timeout, check_ttl, human_seconds, parse_duration,
+)
 from .errors import DBLockError, LockNotAcquired, PermissionDenied
 from .lease import Lease, LeaseInfo
 from .locker import Locker
@@ -101,6 +103,7 @@ def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
 
 
 _NAME = _typed(check_name, str)
+_MIN_INTERVAL = _typed(lambda v: check_min_hold(v, "min-interval"), parse_duration)
 _TABLE = _typed(lambda v: check_identifier(v, "table"), str)
 _SCHEMA = _typed(lambda v: check_identifier(v, "schema"), str)
 
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         allow_abbrev=False,
-        usage="dblock run NAME [--ttl T] [--wait T] [--grace T] [options] -- CMD [ARGS...]",
+        usage="dblock run NAME [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] -- CMD [ARGS...]",
         help="run a command while holding a lock",
         description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
         "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
@@ -148,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "on a terminal, says who holds it and when it is got")
     run.add_argument("--grace", type=_seconds(check_timeout), default=DEFAULT_GRACE,
                      help=f"if the lease is lost: time between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g}s)")
+    run.add_argument("--min-interval", type=_MIN_INTERVAL, default=0.0, metavar="T",
+                     help="keep the lock until T after it was got, even if CMD ends sooner, so CMD started "
+                     "on several machines runs once per period (default: 0, released when CMD ends)")
     run.set_defaults(handler=_run, parser=run)
 
     status = commands.add_parser(
@@ -351,7 +357,9 @@ def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease]
     started = time.monotonic()
     if args.wait == 0 or sys.stderr.isatty():
         # One attempt; on SQLite it still waits (briefly) for another writer to finish.
-        lease = locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost)
+        lease = locker.try_acquire(
+            args.name, ttl=args.ttl, renew=True, on_lost=on_lost, min_hold=args.min_interval
+        )
         if lease is not None or args.wait == 0:
             return lease
         # On a terminal someone is watching: say why nothing happens, and when it does.
@@ -360,7 +368,7 @@ def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease]
     try:
         lease = locker.acquire(
             args.name, ttl=args.ttl, timeout=max(0.0, args.wait - (time.monotonic() - started)), renew=True,
-            on_lost=on_lost,
+            on_lost=on_lost, min_hold=args.min_interval,
         )
     except LockNotAcquired:
         return None
@@ -420,6 +428,8 @@ def _release_quietly(lease: Lease) -> None:
     # lease ends at its TTL anyway, so waiting longer than that gains nothing.
     try:
         call_within(lease.release, min(lease.ttl, 30.0), "dblock-release")
+        if lease.held_until is not None:
+            log.debug("keeping %r until %s (--min-interval)", lease.name, lease.held_until.isoformat())
     except Overdue:
         print(f"dblock: could not release {lease.name!r} in time; it expires within {human_seconds(lease.ttl)}",
               file=sys.stderr)

@@ -45,7 +45,7 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold")
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until")
 
     def __init__(
         self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
@@ -59,6 +59,7 @@ class LeaseState:
         # A threading.Event; an AsyncLease passes an asyncio.Event.
         self.lost = threading.Event() if lost is None else lost
         self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
+        self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
 
     def lose(self) -> None:
         """The holder learned that the lease is gone without its release."""
@@ -86,9 +87,12 @@ class Lease:
     ``lost`` is a ``threading.Event``, set once this holder learns that the
     lease is gone without its release: renewal (``start_renewal``) found it
     taken over or could not extend it in time, or ``extend`` found it taken.
+
+    ``min_hold``: seconds after the grant (database clock) before which a
+    release keeps the lease instead of ending it (0: none); see ``release``.
     """
 
-    __slots__ = ("_keeper", "name", "owner", "token", "_state", "_renewal", "__weakref__")
+    __slots__ = ("_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
 
     def __init__(
         self,
@@ -99,11 +103,13 @@ class Lease:
         expires_at: datetime,
         ttl: float,
         sent_at: float,
+        min_hold: float = 0.0,
     ) -> None:
         self._keeper = locker.keeper  # the statements behind this lease's verbs
         self.name = name
         self.owner = owner
         self.token = token
+        self._min_hold = min_hold
         hold = metrics.recorder.hold(locker.engine.dialect.name, name)
         self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
@@ -124,6 +130,17 @@ class Lease:
         return self._state.ttl
 
     @property
+    def min_hold(self) -> float:
+        """Seconds after the grant before which ``release`` keeps the lease (0: it ends at release)."""
+        return self._min_hold
+
+    @property
+    def held_until(self) -> datetime | None:
+        """After a ``release`` that kept the lease for its ``min_hold``: when it ends, by the
+        database clock (timezone-aware). None before, and after a release that ended it."""
+        return self._state.held_until
+
+    @property
     def lost(self) -> threading.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost
@@ -141,9 +158,12 @@ class Lease:
         statement must not end a lease its holder still trusts).
 
         Works even after the TTL ran out, as long as no one else acquired in
-        between: exclusivity was never broken.
+        between: exclusivity was never broken. Not after ``release`` (LeaseLost,
+        before any SQL): a lease kept for its ``min_hold`` must end on time.
         """
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        if self._state.released:
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
         done = self._keeper.extend(self.name, self.owner, self.token, ttl)
         if done is None:
             if not self._state.released:
@@ -152,9 +172,19 @@ class Lease:
         self._state.extended(done.expires_at, ttl, done.sent_at)
 
     def release(self) -> bool:
-        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
+        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
+
+        With a ``min_hold`` that has not passed yet (by the database clock,
+        counted from the grant), the lease is kept instead, under the same
+        owner and token, and ends at grant + min_hold (``held_until``), sooner
+        or later than its expiry was; renewal stops, waiters get it then. That
+        also returns True, once: a later call returns False, sending nothing.
+        Once the hold has passed, it ends now, as without one.
+        """
+        if self._state.held_until is not None:
+            return False  # kept for its hold by an earlier release: nothing left to end
         try:
-            return self._keeper.release(self.name, self.owner, self.token, self._state)
+            return self._keeper.release(self.name, self.owner, self.token, self._state, self._min_hold, self._renewal)
         finally:
             if self._renewal is not None:
                 self._keeper.renewer.drop(self._renewal)
@@ -207,7 +237,8 @@ class Lease:
 
     def __repr__(self) -> str:
         if self._state.released:
-            state = "released"
+            held = self._state.held_until
+            state = "released" if held is None else f"released, held until {held.isoformat()}"
         elif self.lost.is_set():
             state = "lost"
         else:
