@@ -143,8 +143,9 @@ def test_assume_role_is_the_role_dblock_works_as(django_env: DjangoEnv) -> None:
     admin = psycopg.connect(libpq_dsn(django_env.pg_url), autocommit=True)
     admin.execute(f"CREATE ROLE {role} NOLOGIN")
     try:
-        settings = {"NAME": pg.database, "USER": pg.username, "PASSWORD": pg.password or "", "HOST": pg.host,
-                    "PORT": str(pg.port or 5432), "OPTIONS": {"assume_role": role}}
+        settings = {"NAME": pg.database, "USER": pg.username, "PASSWORD": pg.password or "",
+                    "HOST": pg.query.get("host") or pg.host,  # pgserver's socket directory is in the query
+                    "PORT": str(pg.port or pg.query.get("port") or 5432), "OPTIONS": {"assume_role": role}}
         engine, _, _ = engine_for(_postgresql_url(settings, "x"))
         with engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT current_user, session_user").one() == (role, pg.username)

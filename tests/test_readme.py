@@ -149,7 +149,8 @@ def test_readme_django_example_runs(pg_url: str, tmp_path: Path) -> None:
         (tmp_path / path).write_text(text)
     with (tmp_path / "settings.py").open("a") as settings:
         database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.database, "USER": url.username or "",
-                    "PASSWORD": url.password or "", "HOST": url.host or "", "PORT": str(url.port or "")}
+                    "PASSWORD": url.password or "", "HOST": url.query.get("host") or url.host or "",  # a socket dir: in the query
+                    "PORT": str(url.port or url.query.get("port") or "")}
         settings.write(f"DATABASES = {{'default': {database!r}}}\nSECRET_KEY = 'readme'\nUSE_TZ = True\n"
                        "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DJANGO_SETTINGS_MODULE": "settings", "PYTHONPATH": str(tmp_path)}
