@@ -27,11 +27,12 @@ from ._process import default_label, queue_id
 from ._process import describe_process as describe_process  # importable here as before
 from ._redact import display_url
 from ._wait import Heartbeat, Hotspot, Listener
-from ._validate import check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import check_limit, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewer
 from .schema import DEFAULT_TABLE
+from .shared import Shared
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
@@ -132,6 +133,9 @@ class Locker:
         # What this Locker's leases call. One renewal thread for all of them;
         # their extends go out in batches, on at most size - 1 connections.
         self.keeper = Keeper(self, max(1, min(4, max_connections - 1)))
+        # Shared leases' (read locks, semaphore slots) verbs, with a renewal of their own.
+        self.shared_keeper = SharedKeeper(self, max(1, min(2, max_connections - 1)))
+        self._shared_hot = Hotspot()  # this process's threads polling for a shared lease, per name
         self._renewer = self.keeper.renewer
         self._proc = queue_id()
         self._migrated = threading.Lock()
@@ -244,11 +248,21 @@ class Locker:
         """
         return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
 
-    def _abandon(self, name: str, owner: str, ttl: float) -> None:
-        """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
+    def _abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
+        """An attempt for ``owner`` went unanswered: end in the background whatever it granted.
+
+        ``limit`` False: an exclusive attempt; None or an int: a shared one.
+        """
+        forget = self._forget if limit is False else self._forget_shared
         self._cleanup.add(
-            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner), time.monotonic() + ttl
+            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: forget(name, owner), time.monotonic() + ttl
         )
+
+    def _forget_shared(self, name: str, owner: str) -> None:
+        """End ``owner``'s shared lease of ``name``, if an unanswered attempt granted it one."""
+        rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+        if rows:
+            self._end({"name": name, "owner": owner, "token": rows[0][0]}, self._deadline(), shared=True)
 
     def _forget(self, name: str, owner: str) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
@@ -283,9 +297,16 @@ class Locker:
             sqlstate=outage.sqlstate,
         )
 
-    def _wait_in_line(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
-        """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO)."""
-        me = self._hot.join(name)
+    def _wait_in_line(
+        self, name: str, owner: str, ttl: float, timeout: float, deadline: float, limit: int | None | bool = False
+    ) -> Lease:
+        """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO).
+
+        ``limit`` False: for the exclusive lock; None (a reader) or an int (a
+        semaphore): for a shared lease, in a local line of its own.
+        """
+        hot = self._hot if limit is False else self._shared_hot
+        me = hot.join(name)
         try:
             if not me.wait(core.wait_seconds(deadline - time.monotonic())):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
@@ -295,7 +316,10 @@ class Locker:
             while True:
                 me.clear()  # set again by a release in this process: try at once
                 try:
-                    lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True)
+                    if limit is False:
+                        lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True)
+                    else:
+                        lease, wait = self._share_attempt(name, owner, ttl, limit, self._bound(deadline), waiting=True)
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except (Busy, OutOfTime):  # SQLite's other writer, or a busy pool, took all the time we had
                     lease, wait = None, None
@@ -306,7 +330,7 @@ class Locker:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if unsure:
-                        self._abandon(name, owner, ttl)
+                        self._abandon(name, owner, ttl, limit)
                     raise self._out_of_time(name, timeout, outage)
                 if outage is not None:
                     outage_delay = self._outage(outage, name, outage_delay, deadline)
@@ -316,7 +340,7 @@ class Locker:
                 log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
                 me.wait(min(pause, left))
         finally:
-            self._hot.leave(name, me)
+            hot.leave(name, me)
 
     def _wait_in_queue(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
         """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
@@ -529,17 +553,137 @@ class Locker:
         log.debug("granted %r token=%s", name, outcome.token)
         return Attempt(Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at), None)
 
+    def _share_attempt(
+        self, name: str, owner: str, ttl: float, limit: int | None, deadline: float | None = None, *, waiting: bool = False
+    ) -> Attempt:
+        """One attempt at a shared lease of ``name`` (``limit`` None: a reader)."""
+        self._ensure_schema()
+        if deadline is None:
+            deadline = self._deadline()
+        sent_at = time.monotonic()
+        result = self._driver.run(
+            self._sql.share_acquire,
+            {"name": name, "owner": owner, "ttl": ttl, "label": self._label(), "limit": limit},
+            self._sql.share_holder,
+            deadline=deadline,
+            waiting=waiting,
+        )
+        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        if not isinstance(outcome, Grant):
+            return Attempt(None, outcome.wait)
+        log.debug("granted %r (shared, limit %s) token=%s", name, limit, outcome.token)
+        lease = Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, self.shared_keeper)
+        return Attempt(lease, None)
+
+    # -- shared leases -----------------------------------------------------
+    def semaphore(self, name: str, limit: int) -> Shared:
+        """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
+
+        The returned object has the Locker's verbs (``try_acquire``,
+        ``acquire``, ``lock``, ``locked``... without the name). Each lease has
+        its own token and the usual release, extend, renewal and ``lost``.
+        Callers that disagree about ``limit`` are held to the smallest: a grant
+        is made only while fewer leases are live than the caller's limit and
+        than every live holder's, so each holder, while it holds, never sees
+        more leases of the name than its own limit. An exclusive lock (a write
+        lock) on ``name`` excludes every semaphore holder, and the other way round.
+        """
+        check_name(name)
+        return Shared(self, name, check_limit(limit))
+
+    def readers(self, name: str) -> Shared:
+        """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
+
+        The write side is the exclusive lock of the same name (``acquire``,
+        ``lock``, or ``write_lock``). A writer waiting in the fair queue
+        (PostgreSQL, ``fair=True``) holds off new readers.
+        """
+        check_name(name)
+        return Shared(self, name, None)
+
+    def read_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
+        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def write_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
+        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def _share_try(
+        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: OnLost | None
+    ) -> Lease | None:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        owner = secrets.token_hex(16)
+        try:
+            lease, _ = self._share_attempt(name, owner, ttl, limit, self._deadline())
+        except OutOfTime:
+            raise  # nothing was sent
+        except DatabaseUnavailable:
+            self._abandon(name, owner, ttl, limit)
+            raise
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    def _share_acquire(
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: OnLost | None,
+    ) -> Lease:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        owner = secrets.token_hex(16)
+        deadline = time.monotonic() + timeout
+        if timeout <= 0:
+            try:
+                lease, _ = self._share_attempt(name, owner, ttl, limit, self._bound(deadline))
+            except OutOfTime:
+                raise
+            except DatabaseUnavailable:
+                self._abandon(name, owner, ttl, limit)
+                raise
+            if lease is None:
+                raise LockNotAcquired(name, timeout)
+        else:
+            lease = self._wait_in_line(name, owner, ttl, timeout, deadline, limit)
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
 
-    def _end(self, key: dict[str, Any], deadline: float) -> bool:
+    def _end(self, key: dict[str, Any], deadline: float, *, shared: bool = False) -> bool:
         """Release the lease ``key`` (name, owner, token); True if this call ended it."""
-        result = self._driver.run(self._sql.release, key, deadline=deadline)
+        sql = self._sql
+        result = self._driver.run(sql.share_release if shared else sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
-            rows = self._driver.run(self._sql.released, key, deadline=deadline).rows
+            rows = self._driver.run(sql.share_released if shared else sql.released, key, deadline=deadline).rows
         return bool(rows)
 
     # -- operators ---------------------------------------------------------
@@ -547,7 +691,10 @@ class Locker:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
         rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
-        return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+        return [
+            LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
+            for n, o, t, a, e, r, label, sh, lim in rows
+        ]
 
     def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
@@ -573,7 +720,9 @@ class Locker:
             raise TypeError(f"force_release takes a LeaseInfo from Locker.leases(), not {type(lease).__name__}")
         check_name(lease.name)
         self._ensure_schema()
-        ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline())
+        ended = self._end(
+            {"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline(), shared=lease.shared
+        )
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -619,7 +768,7 @@ def make_schema(engine: Engine, table: str, schema: str | None) -> None:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease", "_acquire")
 
     def __init__(
         self,
@@ -629,15 +778,20 @@ class _LockContext:
         timeout: float | None,
         renew: bool,
         on_lost: OnLost | None,
+        acquire: Callable[..., Lease] | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
         self._renew, self._on_lost = renew, on_lost
         self._lease: Lease | None = None
+        self._acquire = acquire  # a Shared's acquire (bound to its name); None: the exclusive lock's
 
     def __enter__(self) -> Lease:
-        self._lease = self._locker.acquire(
-            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
-        )
+        if self._acquire is not None:
+            self._lease = self._acquire(ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost)
+        else:
+            self._lease = self._locker.acquire(
+                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+            )
         return self._lease
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -663,6 +817,7 @@ class Keeper:
     """
 
     __slots__ = ("locker", "renewer")
+    shared = False  # the exclusive (write) lock's leases; SharedKeeper's are shared
 
     def __init__(self, locker: Locker, renew_workers: int) -> None:
         self.locker = locker
@@ -676,18 +831,20 @@ class Keeper:
         # this release must not take it for a loss.
         state.released = True
         key = {"name": name, "owner": owner, "token": token}
+        shared = self.shared
         try:
-            ended = locker._end(key, locker._deadline())
+            ended = locker._end(key, locker._deadline(), shared=shared)
         except DatabaseUnavailable:
             # Unconfirmed: keep ending it in the background until it would expire.
             locker._cleanup.add(
                 f"the lease on {name!r} (token {token})",
-                lambda: locker._end(key, locker._deadline()),
+                lambda: locker._end(key, locker._deadline(), shared=shared),
                 time.monotonic() + state.ttl,
             )
             raise
         if not locker._queued:  # fair waiters are handed the lease by the release itself
             locker._hot.released(name)
+        locker._shared_hot.released(name)  # shared waiters always poll
         return ended
 
     def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
@@ -696,7 +853,7 @@ class Keeper:
         locker._ensure_schema()
         sent_at = time.monotonic()
         rows = locker._driver.run(
-            locker._sql.extend,
+            locker._sql.share_extend if self.shared else locker._sql.extend,
             {"name": name, "owner": owner, "token": token, "ttl": ttl},
             deadline=locker._deadline() if deadline is None else deadline,
         ).rows
@@ -722,5 +879,13 @@ class Keeper:
         else:
             params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in batch])}
         sent_at = time.monotonic()
-        rows = locker._driver.run(locker._sql.extend_many, params, deadline=deadline, waiting=True).rows
+        sql = locker._sql.share_extend_many if self.shared else locker._sql.extend_many
+        rows = locker._driver.run(sql, params, deadline=deadline, waiting=True).rows
         return sent_at, core.extended(rows, [(lease.name, lease.token) for lease in leases])
+
+
+class SharedKeeper(Keeper):
+    """The statements behind a shared lease's verbs (read locks and semaphore slots; internal)."""
+
+    __slots__ = ()
+    shared = True
