@@ -455,3 +455,50 @@ def test_bad_names_are_refused(db: Db, name: object) -> None:
         locker.semaphore(name, 2)  # type: ignore[arg-type]
     with pytest.raises((TypeError, ValueError)):
         locker.readers(name)  # type: ignore[arg-type]
+
+
+# -- what a shared lease's token fences (README, "Shared locks and semaphores") ---------------
+def test_a_readers_token_keeps_a_stale_writer_out(db: Db) -> None:
+    """A reader stamps the resource first: a writer whose lease ran out before the reader was granted can no longer write."""
+    import dblock
+    from dblock import FencedOut
+
+    locker = db.locker()
+    writer = locker.try_acquire("res", ttl=0.05)
+    assert writer is not None
+    time.sleep(0.1)
+    reader = locker.readers("res").try_acquire(ttl=30)
+    assert reader is not None and reader.token > writer.token
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, reader)  # stamp first, then read
+    with pytest.raises(FencedOut), locker.engine.begin() as conn:
+        dblock.fence(conn, writer)  # the stale writer's late write
+    reader.release()
+    fresh = locker.try_acquire("res", ttl=30)
+    assert fresh is not None
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, fresh)  # a writer granted after the readers passes
+
+
+def test_readers_tokens_do_not_order_readers_among_themselves(db: Db) -> None:
+    """Two readers hold at once: once the later one stamps, the earlier one's fenced write is refused."""
+    import dblock
+    from dblock import FencedOut
+
+    locker = db.locker()
+    first, second = locker.readers("res2").try_acquire(ttl=30), locker.readers("res2").try_acquire(ttl=30)
+    assert first is not None and second is not None and first.token < second.token
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, second)
+    with pytest.raises(FencedOut), locker.engine.begin() as conn:
+        dblock.fence(conn, first)  # still a live reader, but its token is older
+
+
+def test_readme_shared_example_runs(db: Db) -> None:
+    import re
+
+    readme = (HERE.parent / "README.md").read_text()
+    url = 'Locker("postgresql+psycopg://app@db/reports")'
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if url in b]
+    exec(compile(block.replace(url, f"Locker({db.url!r}, table={db.table!r})"), "README.md", "exec"), {})
+    assert Locker(db.url, table=db.table).leases() == []
