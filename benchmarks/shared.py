@@ -172,7 +172,7 @@ def main() -> None:
           f"{args.attempts} acquires each, hold {args.hold * 1000:g} ms")
     per_grant = sem["statements"] / sem["grants"] if sem["grants"] else float("nan")
     print(f"  grants {sem['grants']}, timeouts {sem['timeouts']}, statements/grant {per_grant:.2f}, "
-          f"most held at once {sem['most']}, {sem['grants'] / sem['wall']:.0f} grants/s")
+          f"most held at once in one process {sem['most']}, {sem['grants'] / sem['wall']:.0f} grants/s")
     print(f"read/write vs exclusive: {rate['rw'] / rate['exclusive']:.2f}x")
     if server is not None:
         server.cleanup()

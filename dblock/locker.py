@@ -306,9 +306,15 @@ class Locker:
         """
         hot = self._hot if limit is False else self._shared_hot
         me = hot.join(name)
+        promoted = not me.is_set()  # others were ahead in this process's line
         try:
             if not me.wait(core.wait_seconds(deadline - time.monotonic())):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
+            if promoted and limit is not False and hot.full(name):
+                # The thread ahead of us was just granted the semaphore's last free slot:
+                # look after a pause, or at once when this process releases one.
+                me.clear()
+                me.wait(min(core.backoff(self.poll_min, None, random.random()), max(deadline - time.monotonic(), 0)))
             delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
             outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
             unsure = False  # an attempt went unanswered: it may have granted us the lease
@@ -567,9 +573,10 @@ class Locker:
             deadline=deadline,
             waiting=waiting,
         )
-        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        outcome, free = core.share_acquired(self._sql.dialect, result.rows, result.extra)
         if not isinstance(outcome, Grant):
             return Attempt(None, outcome.wait)
+        self._shared_hot.mark_full(name, free is not None and free <= 0)
         log.debug("granted %r (shared, limit %s) token=%s", name, limit, outcome.token)
         lease = Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, self.shared_keeper)
         return Attempt(lease, None)

@@ -329,7 +329,7 @@ _SHARED = f"'{SHARED_OWNER}'"
 def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_fn: str) -> dict[str, str]:
     # share_acquire
     # binds: name, owner, ttl, label, limit (NULL: a reader, no limit of its own)
-    # returns one row (granted, token, expires_at, wait):
+    # returns one row (granted, token, expires_at, wait, free):
     #   granted: a fresh token drawn after the name's row lock (G2: larger than
     #     every earlier grant of the name, shared or exclusive) and the database
     #     expiry; owner already holding it (a retry, G6) keeps its token.
@@ -337,6 +337,9 @@ def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_
     #     ends), a live writer waits in the fair queue (wait NULL: readers let
     #     it go first), or as many live holders as the smallest limit of the
     #     caller and of every live holder (wait: until the first of them ends).
+    #   free: on a grant, the slots it left (the smallest live limit less the
+    #     live holders; NULL when no limit binds), so a waiter next in line
+    #     knows whether to look at once. NULL on a miss.
     # A miss behind a writer reads only; other misses lock the row.
     share_acquire = (
         f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int)"
@@ -397,7 +400,7 @@ ORDER BY 1, 3"""
 def _sqlite_shared(t: str, h: str) -> dict[str, str]:
     # share_acquire
     # binds: name, owner, ttl, label, limit
-    # returns one row (token, expires_at) when granted; zero rows when not
+    # returns one row (token, expires_at, free) when granted; zero rows when not
     #   (then share_holder tells how long to wait). The same grant rule as
     #   PostgreSQL's, less the fair queue (SQLite's writers poll): no live
     #   writer, and fewer live holders than the caller's limit and every live
@@ -414,7 +417,8 @@ WHERE NOT EXISTS (
   AND (:limit IS NULL OR {live} < :limit)
   AND NOT EXISTS (SELECT 1 FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW} AND lim <= {live})
 ON CONFLICT (name, owner) DO NOTHING
-RETURNING token, expires_at"""
+RETURNING token, expires_at,
+    (SELECT min(lim) - count(*) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})"""
     # share_holder
     # binds: name. One row (wait): seconds until a live writer's lease ends, or
     #   else until the first live holder's ends; NULL when nothing holds the name.

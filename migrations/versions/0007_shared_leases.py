@@ -103,7 +103,7 @@ def _functions(table: str, schema: str | None) -> list[str]:
         # acquire: returns one row (granted, token, expires_at, wait).
         f"""
 CREATE FUNCTION {acquire}(p_name text, p_owner text, p_ttl float8, p_label text, p_limit int)
-RETURNS TABLE (granted boolean, token bigint, expires_at timestamptz, wait float8)
+RETURNS TABLE (granted boolean, token bigint, expires_at timestamptz, wait float8, free int)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -116,7 +116,7 @@ BEGIN
     -- A look first, reading only: a miss plain to see (a writer holds) writes nothing.
     SELECT k.owner, k.expires_at INTO l FROM {t} AS k WHERE k.name = p_name;
     IF FOUND AND l.owner IS NOT NULL AND l.owner <> {s} AND l.expires_at > now() THEN
-        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM l.expires_at - now())::float8;
+        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM l.expires_at - now())::float8, NULL::int;
         RETURN;
     END IF;
     IF NOT FOUND THEN
@@ -132,16 +132,16 @@ BEGIN
         WHERE x.name = p_name AND x.owner = p_owner RETURNING x.token, x.expires_at INTO tok, e;
         IF FOUND THEN
             UPDATE {t} AS k SET expires_at = greatest(k.expires_at, e) WHERE k.name = p_name;
-            RETURN QUERY SELECT true, tok, e, NULL::float8;
+            RETURN QUERY SELECT true, tok, e, NULL::float8, NULL::int;
             RETURN;
         END IF;
     END IF;
     IF l.owner IS NOT NULL AND l.owner <> {s} AND l.expires_at > now() THEN
-        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM l.expires_at - now())::float8;
+        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM l.expires_at - now())::float8, NULL::int;
         RETURN;
     END IF;
     IF l.waiting > 0 AND {writer_waits} THEN
-        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, NULL::float8;
+        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, NULL::float8, NULL::int;
         RETURN;
     END IF;
     -- Holders that ran out are forgotten: their extend can no longer revive them.
@@ -149,7 +149,7 @@ BEGIN
     SELECT count(*), min(x.lim), min(x.expires_at) INTO n, m, e FROM {h} AS x WHERE x.name = p_name;
     -- The smallest limit of the caller and every live holder binds (a reader has none).
     IF n >= coalesce(p_limit, n + 1) OR n >= coalesce(m, n + 1) THEN
-        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM e - now())::float8;
+        RETURN QUERY SELECT false, NULL::bigint, NULL::timestamptz, extract(epoch FROM e - now())::float8, NULL::int;
         RETURN;
     END IF;
     -- nextval() after the row lock: no later grant of the name has a smaller token (G2).
@@ -160,7 +160,8 @@ BEGIN
     UPDATE {t} AS k SET owner = {s}, token = tok, acquired_at = now(), label = NULL,
         expires_at = CASE WHEN k.owner = {s} THEN greatest(k.expires_at, e) ELSE e END
     WHERE k.name = p_name;
-    RETURN QUERY SELECT true, tok, e, NULL::float8;
+    -- The slots this grant left free (NULL: no limit binds), for the waiter next in line.
+    RETURN QUERY SELECT true, tok, e, NULL::float8, least(p_limit, m) - n - 1;
 END $$""",
         # release: one row (token, notified) when this call ended owner's shared lease; zero rows:
         # it was not held (released before, or a writer took the name over after it ran out).
