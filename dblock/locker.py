@@ -586,7 +586,7 @@ class Locker:
         """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
 
         The returned object has the Locker's verbs (``try_acquire``,
-        ``acquire``, ``lock``, ``locked``... without the name). Each lease has
+        ``acquire``, ``lock``), without the name. Each lease has
         its own token and the usual release, extend, renewal and ``lost``.
         Callers that disagree about ``limit`` are held to the smallest: a grant
         is made only while fewer leases are live than the caller's limit and

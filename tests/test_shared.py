@@ -502,3 +502,13 @@ def test_readme_shared_example_runs(db: Db) -> None:
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if url in b]
     exec(compile(block.replace(url, f"Locker({db.url!r}, table={db.table!r})"), "README.md", "exec"), {})
     assert Locker(db.url, table=db.table).leases() == []
+
+
+def test_g6_a_retried_shared_acquire_returns_the_granted_lease(pg: Db) -> None:
+    """PostgreSQL: the same owner asking again (a lost reply) gets its own lease back, token kept, not a second slot."""
+    locker = pg.locker()
+    first = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
+    again = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
+    assert first is not None and again is not None and again.token == first.token
+    assert [i.owner for i in locker.leases()] == ["a" * 32]
+    assert locker.semaphore("g6", 1).try_acquire(ttl=30) is None
