@@ -515,3 +515,27 @@ def test_g6_a_retried_shared_acquire_returns_the_granted_lease(pg: Db) -> None:
     assert first is not None and again is not None and again.token == first.token
     assert [i.owner for i in locker.leases()] == ["a" * 32]
     assert locker.semaphore("g6", 1).try_acquire(ttl=30) is None
+
+
+def test_check_lease_and_commit_guard_take_shared_leases(db: Db) -> None:
+    """A live shared lease passes the commit-time check; one that ran out and was taken over by a writer fails it."""
+    from sqlalchemy import text
+
+    import dblock
+
+    locker = db.locker()
+    live = locker.semaphore("chk", 2).try_acquire(ttl=30)
+    stale = locker.readers("chk2").try_acquire(ttl=0.05)
+    assert live is not None and stale is not None
+    with locker.engine.connect() as conn:
+        with dblock.commit_guard(conn, live):
+            conn.execute(text("SELECT 1"))
+    time.sleep(0.1)
+    writer = locker.try_acquire("chk2", ttl=30)
+    assert writer is not None
+    with pytest.raises(LeaseLost), locker.engine.connect() as conn:
+        with dblock.commit_guard(conn, stale):
+            conn.execute(text("SELECT 1"))
+    with locker.engine.begin() as conn:
+        dblock.check_lease(conn, writer)  # the writer's own check is unchanged
+        dblock.check_lease(conn, live)
