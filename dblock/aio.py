@@ -658,6 +658,7 @@ class AsyncLocker:
         rows = (
             await self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline())
         ).rows
+        await self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())  # ended shared leases
         return len(rows)
 
     def open_connections(self) -> int:

@@ -743,6 +743,8 @@ class Locker:
         rows = self._driver.run(
             self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline()
         ).rows
+        # Shared leases that ended long ago (names pruned or not): their rows go too.
+        self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())
         return len(rows)
 
     def close(self) -> None:

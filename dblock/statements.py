@@ -46,6 +46,7 @@ class Statements:
     share_extend: str = ""
     share_extend_many: str = ""
     share_owned: str = ""  # the token owner's shared lease has (clean-up after a lost reply)
+    share_prune: str = ""  # after prune: forget shared leases that ended long ago
     share_holder: str | None = None  # SQLite only: how long a missed shared acquire should wait
 
 
@@ -371,6 +372,9 @@ CROSS JOIN LATERAL {extend_fn}(b.name, b.owner, b.token, b.ttl) AS e"""
     return dict(
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many, leases=_leases(t, h, "now()"),
+        # share_prune: binds age (seconds); deletes the holders whose lease ended more than age
+        #   ago (nothing live, and nothing an extend may still revive for long); returns a row each.
+        share_prune=f"DELETE FROM {h} WHERE expires_at < now() - %(age)s * interval '1 second' RETURNING name",
         # share_owned: binds name, owner; one row (token) when owner holds a shared lease of name.
         share_owned=f"SELECT token FROM {h} WHERE name = %(name)s AND owner = %(owner)s",
     )
@@ -453,4 +457,5 @@ RETURNING name, token, expires_at"""
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many, leases=_leases(t, h, SQLITE_NOW),
         share_holder=share_holder, share_owned=f"SELECT token FROM {h} WHERE name = :name AND owner = :owner",
+        share_prune=f"DELETE FROM {h} WHERE expires_at < {SQLITE_NOW} - :age RETURNING name",
     )

@@ -539,3 +539,15 @@ def test_check_lease_and_commit_guard_take_shared_leases(db: Db) -> None:
     with locker.engine.begin() as conn:
         dblock.check_lease(conn, writer)  # the writer's own check is unchanged
         dblock.check_lease(conn, live)
+
+
+def test_prune_forgets_shared_leases_that_ended_long_ago(db: Db, locker: Locker) -> None:
+    old = locker.readers("gone").try_acquire(ttl=0.05)
+    live = locker.readers("kept").try_acquire(ttl=30)
+    assert old is not None and live is not None
+    time.sleep(0.2)
+    locker.prune(0.1)
+    assert db.query(f"SELECT name FROM {db.table}_holders") == [("kept",)]
+    with pytest.raises(LeaseLost):
+        old.extend(30)
+    assert live.release()
