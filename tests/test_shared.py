@@ -551,3 +551,56 @@ def test_prune_forgets_shared_leases_that_ended_long_ago(db: Db, locker: Locker)
     with pytest.raises(LeaseLost):
         old.extend(30)
     assert live.release()
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: token drawn before the row lock"])
+def test_g2_a_shared_grant_draws_its_token_after_the_row_lock(pg: Db, variant: str) -> None:
+    """A deterministic replay of DESIGN.md §3's race for a shared grant: reader A blocks on the
+    name's row lock; meanwhile grant B draws a token and commits. A's token must be above B's.
+    The broken variant (the same function with nextval() moved before the row lock) is caught."""
+    import dataclasses
+
+    import psycopg
+
+    from .conftest import libpq_dsn
+    from .conftest import wait_for as wait
+
+    locker = pg.locker()
+    locker.try_acquire("x").release()
+    t, seq = pg.table, f"{pg.table}_token_seq"
+    if variant != "dblock":
+        ((definition,),) = pg.query(f"SELECT pg_get_functiondef('{t}_share_acquire'::regproc)")
+        draw = f"    tok := nextval('{seq}');\n"
+        assert draw in definition
+        broken = definition.replace(draw, "").replace(f"{t}_share_acquire", f"{t}_share_broken")
+        broken = broken.replace("    -- Under the row's lock", draw + "    -- Under the row's lock")
+        pg.query(broken)
+        sql = locker._sql.share_acquire.replace(f"{t}_share_acquire", f"{t}_share_broken")
+        locker._sql = dataclasses.replace(locker._sql, share_acquire=sql)
+
+    blocker = psycopg.connect(libpq_dsn(pg.url))
+    blocker.execute(f"SELECT 1 FROM {t} WHERE name = 'x' FOR UPDATE")
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(locker.readers("x").try_acquire(ttl=30)))
+    thread.start()
+    watcher = psycopg.connect(libpq_dsn(pg.url), autocommit=True)
+
+    def a_is_waiting() -> bool:
+        return bool(watcher.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s", (f"%{t}_share%",)
+        ).fetchall())
+
+    wait(a_is_waiting, what="reader A to block on the row lock")
+    (b_token,) = blocker.execute(
+        f"UPDATE {t} SET owner = 'B', token = nextval('{seq}'), acquired_at = now(),"
+        " expires_at = now() - interval '1 second' WHERE name = 'x' RETURNING token"
+    ).fetchone()
+    blocker.commit()
+    thread.join(30)
+    blocker.close()
+    watcher.close()
+    assert result and result[0] is not None
+    if variant == "dblock":
+        assert result[0].token > b_token
+    else:
+        assert result[0].token < b_token, "the check above would not have caught the broken function"
