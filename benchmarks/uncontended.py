@@ -1,11 +1,13 @@
 """Uncontended cost of one acquire + release pair on one thread, against baselines in the same run.
 
-    python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7]
+    python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7] [--metrics]
 
 With no --url (and no DBLOCK_TEST_URL) it starts a throwaway PostgreSQL with
 pgserver (pip install -e '.[test]'). Rounds interleave the variants so that
 machine noise hits them alike; the table shows the median microseconds per pair
-and the ratio to the hand-written pair, the figure that matters.
+and the ratio to the hand-written pair, the figure that matters. --metrics adds
+dblock's pair with dblock.metrics recording into OpenTelemetry's SDK (an
+in-memory reader), to weigh what recording costs against metrics off.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sqlalchemy.engine import make_url
 
 from _timing import interleaved  # benchmarks/_timing.py
 
-from dblock import Locker
+from dblock import Locker, metrics
 
 
 def main() -> None:
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_URL"))
     ap.add_argument("--pairs", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--metrics", action="store_true", help="add the pair with metrics recording (opentelemetry-sdk)")
     args = ap.parse_args()
     server = None
     url = args.url
@@ -72,6 +75,22 @@ def main() -> None:
         "hand-written pair, raw psycopg": hand_written,
         "dblock try_acquire + release": dblock_pair,
     }
+    if args.metrics:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+        provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        metrics.enable(provider)
+        recording, metrics.recorder = metrics.recorder, metrics.OFF  # on only inside the variant below
+
+        def dblock_pair_recorded() -> None:
+            metrics.recorder = recording
+            try:
+                dblock_pair()
+            finally:
+                metrics.recorder = metrics.OFF
+
+        variants["dblock pair, metrics recording (SDK)"] = dblock_pair_recorded
     medians = interleaved(variants, args.rounds, args.pairs)
     base = medians["hand-written pair, raw psycopg"]
     print(f"uncontended, {args.rounds} rounds x {args.pairs} pairs, PostgreSQL {raw.info.server_version}")

@@ -29,7 +29,9 @@ The async side's shape, concretely: ``AsyncLocker._attempt`` sends
 and ``statement_deadline()`` between ``await asyncio.sleep`` /
 ``asyncio.wait_for`` on a hand-off future, decode with ``enqueued()`` and
 ``cancelled()``, and trust a hand-off with ``handed_trust()`` and
-``needs_refresh()``; its ``AsyncLease`` trusts ``trusted_until()``; its renewal
+``needs_refresh()``; its ``AsyncLease`` trusts ``trusted_until()`` and releases
+with ``statements.release``, or ``release_held`` (binding ``hold``) when
+``holds(min_hold)``, decoding with ``ended()``; its renewal
 task schedules with ``until_due()``, ``retry_after()``, ``renewal_due()`` and
 ``batch_deadline()`` and decodes ``extended()``.
 """
@@ -135,6 +137,30 @@ def cancelled(rows: Rows) -> Grant | None:
     if rows and rows[0][0]:
         return Grant(rows[0][1], when(rows[0][2]))
     return None
+
+
+class Ended(NamedTuple):
+    """A release's outcome. ``ended``: this call ended the lease or, for a lease with a
+    minimum hold, kept it until ``held_until`` (database time; None: it ended now).
+    False: it was already released, or taken over."""
+
+    ended: bool
+    held_until: datetime | None = None
+
+
+def holds(min_hold: float) -> bool:
+    """Whether a lease's release goes through ``statements.release_held``: it has a minimum hold.
+    Without one (0), release sends the plain ``statements.release``, as before holds existed."""
+    return min_hold > 0
+
+
+def ended(rows: Rows, held: bool) -> Ended:
+    """The outcome of ``statements.release`` (``held`` False) or ``release_held`` (True)."""
+    if not rows:
+        return Ended(False)
+    if held and rows[0][2] is not None:
+        return Ended(True, when(rows[0][2]))
+    return Ended(True)
 
 
 def extended(rows: Rows, keys: Sequence[tuple[str, int]]) -> list[datetime | None]:

@@ -94,6 +94,19 @@ def check_limit(limit: object) -> int:
     return limit
 
 
+def check_min_hold(value: object, what: str = "min_hold") -> float:
+    """How long a lease is kept after its grant, released or not: None or 0 (no hold) up to a year.
+
+    It may exceed the ttl: a release before it has passed keeps the lease until then.
+    """
+    if value is None:
+        return 0.0
+    number = _number(value, what)
+    if not 0 <= number <= MAX_TTL:
+        raise ValueError(f"{what} must be between 0 s and {human_seconds(MAX_TTL)}, not {human_seconds(number)}")
+    return number
+
+
 def check_timeout(timeout: object) -> float:
     """A wait in seconds: 0 tries once, ``math.inf`` waits for ever."""
     number = _number(timeout, "timeout")

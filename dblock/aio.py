@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpe
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
+from . import metrics
 from . import statements
 from ._adriver import AsyncDriver, Busy, OutOfTime
 from ._await import AsyncHeartbeat, AsyncHotspot, AsyncListener, AsyncSlot
@@ -40,7 +41,7 @@ from ._core import OUTAGE_RETRY_MIN, Grant
 from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._redact import display_url
-from ._validate import check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, DBLockError, LeaseLost, LockNotAcquired
 from .lease import LeaseInfo, LeaseState
 from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
@@ -88,10 +89,11 @@ class _Extended(NamedTuple):
 class _Try:
     """What an acquire has done so far: whether it sent anything (cancelling it must clean up)."""
 
-    __slots__ = ("owner", "sent", "unsure")
+    __slots__ = ("owner", "hold", "sent", "unsure")
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, hold: float = 0.0) -> None:
         self.owner = owner
+        self.hold = hold  # the min_hold of the lease it gets
         self.sent = False  # a statement went out: it may have queued us, or granted us the lease
         self.unsure = False  # an attempt went unanswered: it may grant us the lease even later
 
@@ -175,14 +177,23 @@ class AsyncLocker:
 
     # -- acquiring ---------------------------------------------------------
     async def try_acquire(
-        self, name: str, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
     ) -> AsyncLease | None:
-        """One attempt: an AsyncLease, or None if another owner holds ``name`` (see ``Locker.try_acquire``)."""
+        """One attempt: an AsyncLease, or None if another owner holds ``name`` (see ``Locker.try_acquire``,
+        also for ``min_hold``)."""
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        attempt = _Try(secrets.token_hex(16))
-        lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        attempt = _Try(secrets.token_hex(16), check_min_hold(min_hold))
+        lease = await self._measured(
+            name, self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        )
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -195,6 +206,7 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
     ) -> AsyncLease:
         """Wait up to ``timeout`` seconds (default: the AsyncLocker's, for ever) for ``name``.
 
@@ -206,21 +218,37 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        lease = await self._measured(name, self._acquire(name, ttl, hold, timeout))
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def _measured(self, name: str, acquire: Awaitable[T]) -> T:
+        """``await acquire``, its wait and outcome recorded for ``dblock.metrics``."""
+        started = time.monotonic()
+        try:
+            lease = await acquire
+        except BaseException as exc:
+            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            raise
+        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        return lease
+
+    async def _acquire(self, name: str, ttl: float, hold: float, timeout: float) -> AsyncLease:
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            attempt = _Try(secrets.token_hex(16))
+            attempt = _Try(secrets.token_hex(16), hold)
             lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._bound(deadline)))
             if lease is None:
                 raise LockNotAcquired(name, timeout)
         elif self._queued:
             owner = self._listener.owner_id() if self._listener is not None else secrets.token_hex(16)
-            attempt = _Try(owner)
+            attempt = _Try(owner, hold)
             lease = await self._guarded(name, ttl, attempt, self._wait_in_queue(name, attempt, ttl, timeout, deadline))
         else:
-            attempt = _Try(secrets.token_hex(16))
+            attempt = _Try(secrets.token_hex(16), hold)
             lease = await self._guarded(name, ttl, attempt, self._wait_in_line(name, attempt, ttl, timeout, deadline))
-        if renew:
-            lease.start_renewal(on_lost)
         return lease
 
     def lock(
@@ -231,6 +259,7 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
     ) -> _AsyncLockContext:
         """``async with locker.lock(name) as lease:`` acquires, and releases on exit (also on error)."""
         check_name(name)
@@ -242,6 +271,7 @@ class AsyncLocker:
             None if timeout is None else check_timeout(timeout),
             renew,
             on_lost,
+            check_min_hold(min_hold),
         )
 
     def locked(
@@ -252,12 +282,15 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
         """``@locker.locked("report-{customer_id}", ttl=60)`` on a coroutine function: each call
         runs holding the lock, as ``Locker.locked`` (name templates, ``dblock.current_lease()``)."""
         from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
-        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)  # type: ignore[arg-type]
+        return locked(
+            self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold  # type: ignore[arg-type]
+        )
 
     async def _guarded(self, name: str, ttl: float, attempt: _Try, work: Awaitable[T]) -> T:
         """Run an acquire; if it is cancelled, or cut off in doubt, end whatever it may have granted."""
@@ -301,7 +334,7 @@ class AsyncLocker:
         if not isinstance(outcome, Grant):
             return None, outcome.wait
         log.debug("granted %r token=%s", name, outcome.token)
-        return AsyncLease(self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at), None
+        return AsyncLease(self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold), None
 
     async def _wait_in_line(self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float) -> AsyncLease:
         """Poll with backoff; this AsyncLocker's tasks waiting for ``name`` take turns (FIFO)."""
@@ -392,7 +425,7 @@ class AsyncLocker:
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
-                    return AsyncLease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at)
+                    return AsyncLease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold)
                 wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
                 queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
@@ -405,7 +438,7 @@ class AsyncLocker:
                         token, expiry = slot.grant
                         try:
                             lease = await self._handed(
-                                name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline
+                                name, attempt, ttl, Grant(token, core.when(expiry)), queued_at, deadline
                             )
                         except DatabaseUnavailable as exc:
                             outage, lease = exc, None  # ours but unrefreshed: the next attempt takes it up again
@@ -435,11 +468,11 @@ class AsyncLocker:
             handed = core.cancelled(rows)
             if handed is not None:
                 if queued_at is not None:
-                    lease = await self._handed(name, owner, ttl, handed, queued_at, deadline)
+                    lease = await self._handed(name, attempt, ttl, handed, queued_at, deadline)
                     if lease is not None:
                         return lease
                 else:  # we cannot tell when it was granted, so end it
-                    await self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
+                    await self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))  # no hold: never used
             attempt.sent = False  # out of the queue, nothing held: nothing to clean up
             raise self._out_of_time(name, timeout, outage)
         finally:
@@ -449,7 +482,7 @@ class AsyncLocker:
                 listener.unregister(owner)
 
     async def _handed(
-        self, name: str, owner: str, ttl: float, handed: Grant, queued_at: tuple[float, float], deadline: float
+        self, name: str, attempt: _Try, ttl: float, handed: Grant, queued_at: tuple[float, float], deadline: float
     ) -> AsyncLease | None:
         """A lease a release handed us (trusted as in ``Locker._handed``), or None if lost before we woke."""
         sent, at = queued_at
@@ -457,11 +490,11 @@ class AsyncLocker:
         trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
         expires_at, sent_at = handed.expires_at, trusted - ttl
         if core.needs_refresh(trusted, now, ttl):
-            done = await self._extend(name, owner, handed.token, ttl, self._bound(deadline))
+            done = await self._extend(name, attempt.owner, handed.token, ttl, self._bound(deadline))
             if done is None:
                 return None
             expires_at, sent_at = done
-        return AsyncLease(self, name, owner, handed.token, expires_at, ttl, sent_at)
+        return AsyncLease(self, name, attempt.owner, handed.token, expires_at, ttl, sent_at, attempt.hold)
 
     # -- the statements behind a lease's verbs -------------------------------
     async def _extend(self, name: str, owner: str, token: int, ttl: float, deadline: float) -> _Extended | None:
@@ -474,26 +507,37 @@ class AsyncLocker:
         ).rows
         return _Extended(core.when(rows[0][0]), sent_at) if rows else None
 
-    async def _end(self, key: dict[str, Any], deadline: float) -> bool:
-        """Release the lease ``key`` (name, owner, token); True if this call ended it."""
-        result = await self._driver.run(self._sql.release, key, deadline=deadline)
+    async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0) -> core.Ended:
+        """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (as ``Locker._end``)."""
+        held = core.holds(hold)
+        if held:
+            result = await self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
+        else:
+            result = await self._driver.run(self._sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
-            rows = (await self._driver.run(self._sql.released, key, deadline=deadline)).rows
-        return bool(rows)
+            return core.ended((await self._driver.run(self._sql.released, key, deadline=deadline)).rows, held=False)
+        return core.ended(rows, held)
 
-    async def _release(self, name: str, owner: str, token: int, state: LeaseState) -> bool:
+    async def _release(self, name: str, owner: str, token: int, state: LeaseState, hold: float) -> bool:
         await self._ensure_schema()
         state.released = True  # before the statement: renewal must not take the cleared row for a loss
         key = {"name": name, "owner": owner, "token": token}
+        ended: bool | None = None
         try:
-            ended = await self._end(key, self._deadline())
+            outcome = await self._end(key, self._deadline(), hold)
+            ended = outcome.ended
         except DatabaseUnavailable:
-            self._later(f"the lease on {name!r} (token {token})", lambda: self._end(key, self._deadline()), state.ttl)
+            self._later(
+                f"the lease on {name!r} (token {token})", lambda: self._end(key, self._deadline(), hold), state.ttl
+            )
             raise
-        if not self._queued:
+        finally:
+            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
+        state.held_until = outcome.held_until
+        if not self._queued and outcome.held_until is None:
             self._hot.released(name)
-        return ended
+        return outcome.ended
 
     async def _forget(self, name: str, owner: str) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
@@ -612,7 +656,7 @@ class AsyncLocker:
                 break
 
     def _lose(self, ref: weakref.ref[AsyncLease], state: LeaseState, on_lost: AsyncOnLost | None, why: str) -> None:
-        state.lost.set()
+        state.lose()
         lease = ref()
         renew_log.error("lost the lease on %r: %s", getattr(lease, "name", "?"), why)
         if lease is not None and on_lost is not None:
@@ -646,7 +690,7 @@ class AsyncLocker:
         if lease.shared:  # a reader's or semaphore holder's lease (migration 0007)
             ended = bool((await self._driver.run(self._sql.share_release, key, deadline=self._deadline())).rows)
         else:
-            ended = await self._end(key, self._deadline())
+            ended = (await self._end(key, self._deadline())).ended
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -740,16 +784,26 @@ class AsyncLease:
     this holder learns that the lease is gone without its release.
     """
 
-    __slots__ = ("_locker", "name", "owner", "token", "_state", "_renewal", "__weakref__")
+    __slots__ = ("_locker", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
 
     def __init__(
-        self, locker: AsyncLocker, name: str, owner: str, token: int, expires_at: datetime, ttl: float, sent_at: float
+        self,
+        locker: AsyncLocker,
+        name: str,
+        owner: str,
+        token: int,
+        expires_at: datetime,
+        ttl: float,
+        sent_at: float,
+        min_hold: float = 0.0,
     ) -> None:
         self._locker = locker
+        self._min_hold = min_hold
         self.name = name
         self.owner = owner
         self.token = token
-        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), lost=asyncio.Event())
+        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), hold, lost=asyncio.Event())
         self._renewal: asyncio.Task[None] | None = None
 
     @property
@@ -767,6 +821,16 @@ class AsyncLease:
         return self._state.ttl
 
     @property
+    def min_hold(self) -> float:
+        """Seconds after the grant before which a release keeps the lease (0: none)."""
+        return self._min_hold
+
+    @property
+    def held_until(self) -> datetime | None:
+        """After a release that kept the lease for its ``min_hold``: when it ends (database time)."""
+        return self._state.held_until
+
+    @property
     def lost(self) -> asyncio.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost  # type: ignore[return-value]
@@ -780,18 +844,30 @@ class AsyncLease:
     async def extend(self, ttl: float | None = None) -> None:
         """Push the expiry to (database now + ttl); raises ``LeaseLost`` if someone else took the lock."""
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        if self._state.released:
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
         done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline())
         if done is None:
             if not self._state.released:
-                self._state.lost.set()
+                self._state.lose()
                 self._stop_renewal()
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
         self._state.extended(done.expires_at, ttl, done.sent_at)
 
     async def release(self) -> bool:
-        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
+        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
+
+        With a ``min_hold`` not yet passed, keeps it until then instead (``held_until``), as ``Lease.release``.
+        """
+        if self._state.held_until is not None:
+            return False  # kept for its hold by an earlier release: nothing left to end
+        renewal = self._renewal
         self._stop_renewal()
-        return await self._locker._release(self.name, self.owner, self.token, self._state)
+        if renewal is not None and core.holds(self._min_hold):
+            # A held lease keeps its owner: an extend in flight landing after the release
+            # would push the hold out. Cancelled, it ends (or is cancelled on the server) first.
+            await asyncio.wait([renewal], timeout=self._locker.op_timeout)
+        return await self._locker._release(self.name, self.owner, self.token, self._state, self._min_hold)
 
     def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
         """Extend this lease every ttl/3 in a task until it is released or lost.
@@ -844,7 +920,7 @@ class AsyncLease:
 
 
 class _AsyncLockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease")
 
     def __init__(
         self,
@@ -854,14 +930,16 @@ class _AsyncLockContext:
         timeout: float | None,
         renew: bool,
         on_lost: AsyncOnLost | None,
+        hold: float = 0.0,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
-        self._renew, self._on_lost = renew, on_lost
+        self._renew, self._on_lost, self._hold = renew, on_lost, hold
         self._lease: AsyncLease | None = None
 
     async def __aenter__(self) -> AsyncLease:
         self._lease = await self._locker.acquire(
-            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
+            min_hold=self._hold,
         )
         return self._lease
 

@@ -178,7 +178,7 @@ async def fenced_session(
             f"fenced_session needs a SQLAlchemy AsyncSession, not {type(session).__name__} "
             "(for a Session, use dblock.orm.fenced_session)"
         )
-    with fence_flushes(session.sync_session, token, strict) as flush_fence:
+    with fence_flushes(session.sync_session, token, strict, lease) as flush_fence:
         try:
             yield session
             await session.flush()

@@ -1,9 +1,9 @@
 """The ``dblock`` command: run a command under a lock, list and break leases, migrate.
 
-    dblock run NAME [--ttl T] [--wait T] [--grace T] -- CMD [ARGS...]
+    dblock run NAME [--ttl T] [--wait T] [--grace T] [--min-interval T] -- CMD [ARGS...]
     dblock status [NAME] [--json]
     dblock release NAME --force [--yes]
-    dblock migrate [--sql]
+    dblock migrate [--sql | --downgrade REV]
 
 ``--url`` (or ``$DBLOCK_URL``) picks the database; with neither, the embedded
 SQLite default (``$DBLOCK_HOME``). Exit codes are the ``EXIT_*`` constants.
@@ -34,7 +34,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from ._process import describe_process
 from ._redact import display_url, redact
 from . import __version__
-from ._validate import check_limit, check_identifier, check_name, check_timeout, check_ttl, human_seconds, parse_duration
+from ._validate import (
+    check_identifier, check_limit, check_min_hold, check_name, check_timeout, check_ttl, human_seconds, parse_duration,
+)
 from .errors import DBLockError, LockNotAcquired, PermissionDenied
 from .lease import Lease, LeaseInfo
 from .locker import Locker
@@ -101,6 +103,7 @@ def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
 
 
 _NAME = _typed(check_name, str)
+_MIN_INTERVAL = _typed(lambda v: check_min_hold(v, "min-interval"), parse_duration)
 _TABLE = _typed(lambda v: check_identifier(v, "table"), str)
 _SCHEMA = _typed(lambda v: check_identifier(v, "schema"), str)
 
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         allow_abbrev=False,
-        usage="dblock run NAME [--shared | --limit N] [--ttl T] [--wait T] [--grace T] [options] -- CMD [ARGS...]",
+        usage="dblock run NAME [--shared | --limit N] [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] "
+        "-- CMD [ARGS...]",
         help="run a command while holding a lock",
         description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
         "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
@@ -153,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="take a read lock: any number of --shared runs at once, none with an exclusive run of NAME")
     side.add_argument("--limit", type=_typed(check_limit, int), default=None, metavar="N",
                       help="take one of N semaphore slots of NAME: at most N such runs at once")
+    run.add_argument("--min-interval", type=_MIN_INTERVAL, default=0.0, metavar="T",
+                     help="keep the lock until T after it was got, even if CMD ends sooner, so CMD started "
+                     "on several machines runs once per period (default: 0, released when CMD ends)")
     run.set_defaults(handler=_run, parser=run)
 
     status = commands.add_parser(
@@ -179,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create or upgrade dblock's tables with its migrations (safe to run concurrently).",
     )
     migration.add_argument("--sql", action="store_true", help="print the DDL instead of running it")
+    migration.add_argument("--downgrade", metavar="REV",
+                           help="downgrade dblock's tables to one of its revisions instead; 'base' removes them "
+                           "(and dblock's version table), leaving every other table alone")
     migration.set_defaults(handler=_migrate, parser=migration)
     return parser
 
@@ -261,6 +271,8 @@ def _nothing_there(args: argparse.Namespace) -> bool:
 # -- dblock run ---------------------------------------------------------------------
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command: list[str] = args.cmd
+    if (args.shared or args.limit is not None) and args.min_interval:
+        parser.error("--min-interval holds the exclusive lock; it does not go with --shared or --limit")
     locker = _locker(args, parser, label=describe_process(command))
     child: list[subprocess.Popen[bytes]] = []  # set once the command runs
     pending: list[int] = []  # signals that arrived while it was being started
@@ -361,8 +373,10 @@ def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease]
                 return shared.try_acquire(ttl=args.ttl, renew=True, on_lost=on_lost)
             return shared.acquire(ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost)
         if timeout is None:
-            return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost)
-        return locker.acquire(args.name, ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost)
+            return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost, min_hold=args.min_interval)
+        return locker.acquire(
+            args.name, ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost, min_hold=args.min_interval
+        )
 
     if args.wait == 0 or sys.stderr.isatty():
         # One attempt; on SQLite it still waits (briefly) for another writer to finish.
@@ -434,6 +448,8 @@ def _release_quietly(lease: Lease) -> None:
     # lease ends at its TTL anyway, so waiting longer than that gains nothing.
     try:
         call_within(lease.release, min(lease.ttl, 30.0), "dblock-release")
+        if lease.held_until is not None:
+            log.debug("keeping %r until %s (--min-interval)", lease.name, lease.held_until.isoformat())
     except Overdue:
         print(f"dblock: could not release {lease.name!r} in time; it expires within {human_seconds(lease.ttl)}",
               file=sys.stderr)
@@ -546,6 +562,8 @@ def _release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import migrate  # Alembic: loaded only for this command
 
+    if args.downgrade is not None:
+        return _downgrade(args, parser)
     if args.sql:
         if args.url is None:
             url = URL.create("sqlite", database=str(default_sqlite_path()))  # not created: only printed
@@ -558,6 +576,28 @@ def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     locker = _locker(args, parser)
     locker.create_schema()
     print(f"dblock: table {args.table!r} is up to date in {display_url(locker.engine.url)}", file=sys.stderr)
+    return 0
+
+
+def _downgrade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import migrate
+
+    known = migrate.revisions()
+    if args.sql:
+        parser.error("--sql prints the upgrade only; drop it to downgrade")
+    if args.downgrade != "base" and args.downgrade not in known:
+        parser.error(f"--downgrade takes base or one of dblock's revisions ({', '.join(known)}), not {args.downgrade!r}")
+    if _nothing_there(args):
+        print("dblock: the embedded default has no tables; nothing to downgrade", file=sys.stderr)
+        return 0
+    locker = _locker(args, parser)
+    with migrate.database_errors(locker.engine, args.table):
+        migrate.downgrade(locker.engine, args.table, args.schema, args.downgrade)
+    where = display_url(locker.engine.url)
+    if args.downgrade == "base":
+        print(f"dblock: removed dblock's tables of {args.table!r} from {where}", file=sys.stderr)
+    else:
+        print(f"dblock: table {args.table!r} is at {args.downgrade} in {where}", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,7 @@ import string
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, ParamSpec, TypeVar
 
-from ._validate import check_name, check_renew, check_timeout, check_ttl
+from ._validate import check_min_hold, check_name, check_renew, check_timeout, check_ttl
 from .lease import Lease
 from .locker import Locker
 from .renew import OnLost
@@ -51,6 +51,7 @@ def locked(
     timeout: float | None = None,
     renew: bool = False,
     on_lost: OnLost | None = None,
+    min_hold: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """See ``Locker.locked``."""
     if not isinstance(name, str):
@@ -58,6 +59,7 @@ def locked(
     ttl = None if ttl is None else check_ttl(ttl)
     timeout = None if timeout is None else check_timeout(timeout)
     check_renew(renew, on_lost)
+    hold = check_min_hold(min_hold)
     fields = _fields(name)
     if not fields:
         check_name(name)
@@ -100,7 +102,7 @@ def locked(
             @functools.wraps(fn)
             async def run_native(*args: Any, **kwargs: Any) -> Any:
                 async with alocker.lock(
-                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost
+                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
                 ) as lease:
                     mark = _current.set(lease)
                     try:
@@ -116,7 +118,7 @@ def locked(
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 key = lock_name(args, kwargs)
                 lease = await _acquire_off_loop(lambda: slocker.acquire(
-                    key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost
+                    key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
                 ))
                 mark = _current.set(lease)
                 try:
@@ -133,7 +135,9 @@ def locked(
 
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
-            with slocker.lock(lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost) as lease:
+            with slocker.lock(
+                lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
+            ) as lease:
                 mark = _current.set(lease)
                 try:
                     return fn(*args, **kwargs)

@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Update
 from sqlalchemy.sql.selectable import Select
 
+from . import metrics
 from ._plan import Plan, Probe, Run, run
 from ._validate import check_identifier, check_name, check_text, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
@@ -169,7 +170,7 @@ def update_plan(stmt: Update, lease: TokenLike, column: str, strict: bool) -> Pl
             query = query.where(stmt.whereclause)
         winner = (yield Run(query)).scalar()
         if winner is not None:
-            raise refused(token, f"table {col.table.name!r}", winner, strict)
+            raise refused(lease, f"table {col.table.name!r}", winner, strict)
     return result
 
 
@@ -221,7 +222,7 @@ def read_plan(conn: Target, stmt: Select[Any], lease: TokenLike, column: str) ->
     newest = max((row[-1] for row in frozen.data), default=None)
     if newest is not None and newest > token:
         raise refused(
-            token, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
+            lease, f"table {table.name!r}", newest, False, verb="read-modify-write these rows", outcome="roll back"
         )
     return frozen().columns(*range(len(returning)))
 
@@ -339,7 +340,7 @@ def upsert_plan(
         winner = None
         if len(key) == len(keys):
             winner = (yield Run(select(fence_col).where(*[t.c[k] == v for k, v in key.items()]))).scalar()
-        raise refused(token, f"table {t.name!r}", winner, strict)
+        raise refused(lease, f"table {t.name!r}", winner, strict)
 
 
 # -- the fences table -----------------------------------------------------------
@@ -389,7 +390,7 @@ def fence_plan(
         passed = (yield Run(stmt)).first()
     if passed is None:
         winner = (yield Run(select(t.c.last_token).where(t.c.resource == resource))).scalar()
-        raise refused(token, f"resource {resource!r}", winner, strict)
+        raise refused(lease, f"resource {resource!r}", winner, strict)
 
 
 # -- commit-time lease check (fail closed) ----------------------------------------
@@ -616,7 +617,7 @@ def _in_autocommit(conn: Target) -> bool:
 
 
 def refused(
-    token: int,
+    lease: TokenLike,
     what: str,
     winner: int | None,
     strict: bool,
@@ -624,10 +625,13 @@ def refused(
     verb: str = "write",
     outcome: str = "nothing was written",
 ) -> FencedOut:
-    """The FencedOut for ``token`` refused by ``what``, which accepted ``winner`` (None: unknown).
+    """The FencedOut for ``lease``'s token refused by ``what``, which accepted ``winner`` (None: unknown).
 
-    Shared with ``dblock.orm``, whose flushes are refused the same way.
+    Shared with ``dblock.orm``, whose flushes are refused the same way. Every
+    refusal comes through here, so here it is counted (``dblock.metrics``).
     """
+    token = token_of(lease)
+    metrics.recorder.fenced_out(lease.name if is_lease(lease) else None)
     if winner is None:
         accepted = "this token or a newer one (strict: one write per grant)" if strict else "a newer token"
     elif winner == token:

@@ -9,6 +9,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from . import metrics
 from ._core import trusted_until
 from ._validate import check_ttl
 from .errors import LeaseLost
@@ -48,9 +49,11 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost")
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until")
 
-    def __init__(self, expires_at: datetime, ttl: float, trusted_until: float, lost: Any = None) -> None:
+    def __init__(
+        self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
+    ) -> None:
         self.expires_at = expires_at  # database time, timezone-aware
         self.ttl = ttl
         # G5: trusted until (when the acquire was *sent*) + ttl on this
@@ -59,6 +62,13 @@ class LeaseState:
         self.released = False
         # A threading.Event; an AsyncLease passes an asyncio.Event.
         self.lost = threading.Event() if lost is None else lost
+        self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
+        self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
+
+    def lose(self) -> None:
+        """The holder learned that the lease is gone without its release."""
+        self.lost.set()
+        self.hold.end(lost=True)
 
     def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
         """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
@@ -85,9 +95,12 @@ class Lease:
     ``lost`` is a ``threading.Event``, set once this holder learns that the
     lease is gone without its release: renewal (``start_renewal``) found it
     taken over or could not extend it in time, or ``extend`` found it taken.
+
+    ``min_hold``: seconds after the grant (database clock) before which a
+    release keeps the lease instead of ending it (0: none); see ``release``.
     """
 
-    __slots__ = ("_keeper", "name", "owner", "token", "_state", "_renewal", "__weakref__")
+    __slots__ = ("_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
 
     def __init__(
         self,
@@ -98,6 +111,7 @@ class Lease:
         expires_at: datetime,
         ttl: float,
         sent_at: float,
+        min_hold: float = 0.0,
         keeper: Any = None,
     ) -> None:
         # The statements behind this lease's verbs: the exclusive lock's, or (``keeper``) the shared ones.
@@ -105,7 +119,9 @@ class Lease:
         self.name = name
         self.owner = owner
         self.token = token
-        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl))
+        self._min_hold = min_hold
+        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
 
     @property
@@ -129,6 +145,17 @@ class Lease:
         return self._state.ttl
 
     @property
+    def min_hold(self) -> float:
+        """Seconds after the grant before which ``release`` keeps the lease (0: it ends at release)."""
+        return self._min_hold
+
+    @property
+    def held_until(self) -> datetime | None:
+        """After a ``release`` that kept the lease for its ``min_hold``: when it ends, by the
+        database clock (timezone-aware). None before, and after a release that ended it."""
+        return self._state.held_until
+
+    @property
     def lost(self) -> threading.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost
@@ -146,9 +173,12 @@ class Lease:
         statement must not end a lease its holder still trusts).
 
         Works even after the TTL ran out, as long as no one else acquired in
-        between: exclusivity was never broken.
+        between: exclusivity was never broken. Not after ``release`` (LeaseLost,
+        before any SQL): a lease kept for its ``min_hold`` must end on time.
         """
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        if self._state.released:
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
         done = self._keeper.extend(self.name, self.owner, self.token, ttl)
         if done is None:
             if not self._state.released:
@@ -157,9 +187,19 @@ class Lease:
         self._state.extended(done.expires_at, ttl, done.sent_at)
 
     def release(self) -> bool:
-        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over."""
+        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
+
+        With a ``min_hold`` that has not passed yet (by the database clock,
+        counted from the grant), the lease is kept instead, under the same
+        owner and token, and ends at grant + min_hold (``held_until``), sooner
+        or later than its expiry was; renewal stops, waiters get it then. That
+        also returns True, once: a later call returns False, sending nothing.
+        Once the hold has passed, it ends now, as without one.
+        """
+        if self._state.held_until is not None:
+            return False  # kept for its hold by an earlier release: nothing left to end
         try:
-            return self._keeper.release(self.name, self.owner, self.token, self._state)
+            return self._keeper.release(self.name, self.owner, self.token, self._state, self._min_hold, self._renewal)
         finally:
             if self._renewal is not None:
                 self._keeper.renewer.drop(self._renewal)
@@ -186,7 +226,7 @@ class Lease:
     def _lose(self) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal
         # gave up waiting) must not make the caller trust the lease again.
-        self._state.lost.set()
+        self._state.lose()
         if self._renewal is not None:
             self._keeper.renewer.drop(self._renewal)
 
@@ -212,7 +252,8 @@ class Lease:
 
     def __repr__(self) -> str:
         if self._state.released:
-            state = "released"
+            held = self._state.held_until
+            state = "released" if held is None else f"released, held until {held.isoformat()}"
         elif self.lost.is_set():
             state = "lost"
         else:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
-from . import statements
+from . import metrics, statements
 from ._cleanup import Cleanup
 from ._core import OUTAGE_RETRY_MIN, Grant
 from ._core import EXPIRY_LOOKERS as EXPIRY_LOOKERS, FALLBACK_MAX as FALLBACK_MAX, GRACE as GRACE  # as before
@@ -27,10 +27,10 @@ from ._process import default_label, queue_id
 from ._process import describe_process as describe_process  # importable here as before
 from ._redact import display_url
 from ._wait import Heartbeat, Hotspot, Listener
-from ._validate import check_limit, check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
-from .renew import OnLost, Renewer
+from .renew import OnLost, Renewal, Renewer
 from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
@@ -159,24 +159,28 @@ class Locker:
 
     # -- acquiring ---------------------------------------------------------
     def try_acquire(
-        self, name: str, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        min_hold: float | None = None,
     ) -> Lease | None:
         """One attempt: a Lease, or None if another owner holds ``name``.
 
         ``renew=True`` keeps extending the lease until it is released (see
         ``Lease.start_renewal``); ``on_lost(lease)`` runs if renewal loses it.
+        ``min_hold`` (seconds, may exceed the ttl): a release sooner than that
+        after the grant, by the database clock, keeps the lease until then
+        instead of ending it (see ``Lease.release``), so that a job started on
+        several machines runs once however far apart their clocks start it.
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        owner = secrets.token_hex(16)
-        try:
-            lease, _ = self._attempt(name, owner, ttl, self._deadline())
-        except OutOfTime:
-            raise  # nothing was sent
-        except DatabaseUnavailable:
-            self._abandon(name, owner, ttl)
-            raise
+        hold = check_min_hold(min_hold)
+        lease = self._measured(name, lambda: self._try(name, secrets.token_hex(16), ttl, hold, self._deadline()))
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -189,40 +193,58 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        min_hold: float | None = None,
     ) -> Lease:
         """Wait up to ``timeout`` seconds (Locker default: for ever) for ``name``.
 
         Raises LockNotAcquired when the time runs out. Between attempts it sleeps
         a jittered backoff in [d, 2d), d doubling from poll_min to poll_max, and
-        never past the moment the current lease is known to end. ``renew`` and
-        ``on_lost`` as in ``try_acquire``.
+        never past the moment the current lease is known to end. ``renew``,
+        ``on_lost`` and ``min_hold`` as in ``try_acquire``.
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost)
-        lease = self._acquire(name, ttl, timeout)
+        hold = check_min_hold(min_hold)
+        lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout))
         if renew:
             lease.start_renewal(on_lost)
         return lease
 
-    def _acquire(self, name: str, ttl: float, timeout: float) -> Lease:
+    def _acquire(self, name: str, ttl: float, hold: float, timeout: float) -> Lease:
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            try:
-                lease, _ = self._attempt(name, owner, ttl, self._bound(deadline))
-            except OutOfTime:
-                raise  # nothing was sent
-            except DatabaseUnavailable:
-                self._abandon(name, owner, ttl)
-                raise
+            lease = self._try(name, owner, ttl, hold, self._bound(deadline))
             if lease is None:
                 raise LockNotAcquired(name, timeout)
             return lease
         if self._queued:
-            return self._wait_in_queue(name, owner, ttl, timeout, deadline)
-        return self._wait_in_line(name, owner, ttl, timeout, deadline)
+            return self._wait_in_queue(name, owner, ttl, hold, timeout, deadline)
+        return self._wait_in_line(name, owner, ttl, hold, timeout, deadline)
+
+    def _measured(self, name: str, acquire: Callable[[], R]) -> R:
+        """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
+        started = time.monotonic()
+        try:
+            lease = acquire()
+        except BaseException as exc:
+            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            raise
+        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        return lease
+
+    def _try(self, name: str, owner: str, ttl: float, hold: float, deadline: float) -> Lease | None:
+        """One attempt: a Lease, or None if another owner holds ``name``."""
+        try:
+            lease, _ = self._attempt(name, owner, ttl, deadline, hold=hold)
+        except OutOfTime:
+            raise  # nothing was sent
+        except DatabaseUnavailable:
+            self._abandon(name, owner, ttl)
+            raise
+        return lease
 
     def _proc_id(self) -> str:
         return self._proc.get()
@@ -297,12 +319,19 @@ class Locker:
         )
 
     def _wait_in_line(
-        self, name: str, owner: str, ttl: float, timeout: float, deadline: float, limit: int | None | bool = False
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        hold: float,
+        timeout: float,
+        deadline: float,
+        limit: int | None | bool = False,
     ) -> Lease:
         """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO).
 
         ``limit`` False: for the exclusive lock; None (a reader) or an int (a
-        semaphore): for a shared lease, in a local line of its own.
+        semaphore): for a shared lease (``hold`` 0), in a local line of its own.
         """
         hot = self._hot if limit is False else self._shared_hot
         me = hot.join(name)
@@ -322,7 +351,7 @@ class Locker:
                 me.clear()  # set again by a release in this process: try at once
                 try:
                     if limit is False:
-                        lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True)
+                        lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True, hold=hold)
                     else:
                         lease, wait = self._share_attempt(name, owner, ttl, limit, self._bound(deadline), waiting=True)
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
@@ -347,7 +376,9 @@ class Locker:
         finally:
             hot.leave(name, me)
 
-    def _wait_in_queue(self, name: str, owner: str, ttl: float, timeout: float, deadline: float) -> Lease:
+    def _wait_in_queue(
+        self, name: str, owner: str, ttl: float, hold: float, timeout: float, deadline: float
+    ) -> Lease:
         """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
         self._ensure_schema()
         listener, heartbeat = self._listener, self._heartbeat
@@ -399,7 +430,7 @@ class Locker:
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
-                    return Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at)
+                    return Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, hold)
                 wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
                 queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
@@ -412,7 +443,9 @@ class Locker:
                     if slot.grant is not None:
                         token, expiry = slot.grant
                         try:
-                            lease = self._handed(name, owner, ttl, Grant(token, core.when(expiry)), queued_at, deadline)
+                            lease = self._handed(
+                                name, owner, ttl, hold, Grant(token, core.when(expiry)), queued_at, deadline
+                            )
                         except DatabaseUnavailable as exc:
                             # The lease is ours but could not be renewed for use: the next
                             # attempt (same owner, G6) takes it up again, or the wait's end
@@ -446,7 +479,7 @@ class Locker:
                 # back "queued" was sent, which then starts its trust (G5).
                 try:
                     if queued_at is not None:
-                        lease = self._handed(name, owner, ttl, handed, queued_at, deadline)
+                        lease = self._handed(name, owner, ttl, hold, handed, queued_at, deadline)
                         if lease is not None:
                             return lease
                     else:  # no such attempt: we cannot tell when it was granted, so end it
@@ -466,6 +499,7 @@ class Locker:
         name: str,
         owner: str,
         ttl: float,
+        hold: float,
         handed: Grant,
         queued_at: tuple[float, float],
         deadline: float,
@@ -487,7 +521,7 @@ class Locker:
             if done is None:
                 return None
             expires_at, sent_at = done
-        return Lease(self, name, owner, handed.token, expires_at, ttl, sent_at)
+        return Lease(self, name, owner, handed.token, expires_at, ttl, sent_at, hold)
 
     def lock(
         self,
@@ -497,11 +531,13 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        min_hold: float | None = None,
     ) -> _LockContext:
         """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error).
 
         With ``renew=True`` the lease is extended while the block runs; check
-        ``lease.lost`` (or pass ``on_lost``) in long blocks.
+        ``lease.lost`` (or pass ``on_lost``) in long blocks. With ``min_hold``
+        the exit keeps the lease until that long after its grant (see ``try_acquire``).
         """
         check_name(name)
         check_renew(renew, on_lost)
@@ -512,6 +548,7 @@ class Locker:
             None if timeout is None else check_timeout(timeout),
             renew,
             on_lost,
+            check_min_hold(min_hold),
         )
 
     def locked(
@@ -522,6 +559,7 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        min_hold: float | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """``@locker.locked("report-{customer_id}", ttl=60)``: each call runs holding the lock.
 
@@ -533,13 +571,21 @@ class Locker:
         held (``timeout=0``: at once). Inside, ``dblock.current_lease()`` is
         the lease (its token fences writes). Coroutine functions acquire and
         release on a worker thread, so the event loop never waits for the database.
+        ``min_hold`` as in ``try_acquire``: a job run at most once per period.
         """
         from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
-        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
 
     def _attempt(
-        self, name: str, owner: str, ttl: float, deadline: float | None = None, *, waiting: bool = False
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        deadline: float | None = None,
+        *,
+        waiting: bool = False,
+        hold: float = 0.0,
     ) -> Attempt:
         self._ensure_schema()
         if deadline is None:
@@ -556,7 +602,7 @@ class Locker:
         if not isinstance(outcome, Grant):
             return Attempt(None, outcome.wait)
         log.debug("granted %r token=%s", name, outcome.token)
-        return Attempt(Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at), None)
+        return Attempt(Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, hold), None)
 
     def _share_attempt(
         self, name: str, owner: str, ttl: float, limit: int | None, deadline: float | None = None, *, waiting: bool = False
@@ -578,7 +624,7 @@ class Locker:
             return Attempt(None, outcome.wait)
         self._shared_hot.mark_full(name, free is not None and free <= 0)
         log.debug("granted %r (shared, limit %s) token=%s", name, limit, outcome.token)
-        lease = Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, self.shared_keeper)
+        lease = Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, keeper=self.shared_keeper)
         return Attempt(lease, None)
 
     # -- shared leases -----------------------------------------------------
@@ -673,7 +719,7 @@ class Locker:
             if lease is None:
                 raise LockNotAcquired(name, timeout)
         else:
-            lease = self._wait_in_line(name, owner, ttl, timeout, deadline, limit)
+            lease = self._wait_in_line(name, owner, ttl, 0.0, timeout, deadline, limit)
         if renew:
             lease.start_renewal(on_lost)
         return lease
@@ -681,16 +727,25 @@ class Locker:
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
 
-    def _end(self, key: dict[str, Any], deadline: float, *, shared: bool = False) -> bool:
-        """Release the lease ``key`` (name, owner, token); True if this call ended it."""
-        sql = self._sql
-        result = self._driver.run(sql.share_release if shared else sql.release, key, deadline=deadline)
+    def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
+        """Release the lease ``key`` (name, owner, token): ended by this call, or kept until
+        ``hold`` s after its grant if that has not passed yet (see ``statements.release_held``).
+        ``shared``: a reader's or semaphore holder's lease (no hold)."""
+        held = core.holds(hold) and not shared
+        if shared:
+            result = self._driver.run(self._sql.share_release, key, deadline=deadline)
+        elif held:
+            result = self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
+        else:
+            result = self._driver.run(self._sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
-            rows = self._driver.run(sql.share_released if shared else sql.released, key, deadline=deadline).rows
-        return bool(rows)
+            # (A hold the first try set is set again by the retry itself.)
+            released = self._sql.share_released if shared else self._sql.released
+            return core.ended(self._driver.run(released, key, deadline=deadline).rows, held=False)
+        return core.ended(rows, held)
 
     # -- operators ---------------------------------------------------------
     def leases(self) -> list[LeaseInfo]:
@@ -728,7 +783,7 @@ class Locker:
         self._ensure_schema()
         ended = self._end(
             {"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline(), shared=lease.shared
-        )
+        ).ended
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -776,7 +831,7 @@ def make_schema(engine: Engine, table: str, schema: str | None) -> None:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_lease", "_acquire")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire")
 
     def __init__(
         self,
@@ -786,10 +841,11 @@ class _LockContext:
         timeout: float | None,
         renew: bool,
         on_lost: OnLost | None,
+        hold: float,
         acquire: Callable[..., Lease] | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
-        self._renew, self._on_lost = renew, on_lost
+        self._renew, self._on_lost, self._hold = renew, on_lost, hold
         self._lease: Lease | None = None
         self._acquire = acquire  # a Shared's acquire (bound to its name); None: the exclusive lock's
 
@@ -798,7 +854,8 @@ class _LockContext:
             self._lease = self._acquire(ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost)
         else:
             self._lease = self._locker.acquire(
-                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
+                min_hold=self._hold,
             )
         return self._lease
 
@@ -842,6 +899,7 @@ class Shared:
             None if timeout is None else check_timeout(timeout),
             renew,
             on_lost,
+            0.0,
             acquire=self.acquire,
         )
 
@@ -873,29 +931,45 @@ class Keeper:
         self.locker = locker
         self.renewer = Renewer(self.extend_many, locker.op_timeout, renew_workers)
 
-    def release(self, name: str, owner: str, token: int, state: LeaseState) -> bool:
-        """End the lease; True if this call ended it. Marks ``state`` released first."""
+    def release(
+        self, name: str, owner: str, token: int, state: LeaseState, hold: float = 0.0, renewal: Renewal | None = None
+    ) -> bool:
+        """End the lease, or keep it until ``hold`` s after its grant (``state.held_until``).
+
+        True if this call ended it or set its hold. Marks ``state`` released
+        first. A held lease keeps its owner, so an extend landing after the
+        release would push its expiry out: its ``renewal`` leaves the schedule
+        and an extend of it in flight is waited for before the release goes out.
+        """
         locker = self.locker
         locker._ensure_schema()
         # Before the statement: a renewal extend that finds the row cleared by
         # this release must not take it for a loss.
         state.released = True
+        deadline = locker._deadline()
+        if renewal is not None and core.holds(hold):
+            self.renewer.settle(renewal, deadline)
         key = {"name": name, "owner": owner, "token": token}
         shared = self.shared
+        ended: bool | None = None
         try:
-            ended = locker._end(key, locker._deadline(), shared=shared)
+            outcome = locker._end(key, deadline, hold, shared=shared)
+            ended = outcome.ended
         except DatabaseUnavailable:
             # Unconfirmed: keep ending it in the background until it would expire.
             locker._cleanup.add(
                 f"the lease on {name!r} (token {token})",
-                lambda: locker._end(key, locker._deadline(), shared=shared),
+                lambda: locker._end(key, locker._deadline(), hold, shared=shared),
                 time.monotonic() + state.ttl,
             )
             raise
-        if not locker._queued:  # fair waiters are handed the lease by the release itself
+        finally:
+            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
+        state.held_until = outcome.held_until
+        if not locker._queued and outcome.held_until is None:  # fair waiters are handed the lease by the release itself
             locker._hot.released(name)
         locker._shared_hot.released(name)  # shared waiters always poll
-        return ended
+        return outcome.ended
 
     def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
         """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""

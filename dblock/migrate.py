@@ -1,13 +1,17 @@
-"""Run dblock's Alembic migrations (the one source of its schema), or fit them into an app's.
+"""Run dblock's Alembic migrations (the one source of its schema), alone or with an app's.
 
-Two ways to create dblock's tables (README, "Adding dblock to an existing app"):
+Two ways to run them (README, "Adding dblock to an existing app"), both recorded in
+dblock's own version table, never in the app's ``alembic_version``:
 
-- dblock's own history: ``Locker.create_schema()`` or ``dblock migrate``, recorded
-  in dblock's own version table, never the app's ``alembic_version``;
-- the app's history: the app lists ``dblock:_migrations/versions`` in its
-  ``version_locations`` and runs ``alembic upgrade heads`` (branch ``dblock``).
+- alone: ``Locker.create_schema()`` or ``dblock migrate`` (``upgrade``);
+- with the app's: ``run_with(context)`` in the app's Alembic env.py, so that the
+  app's ``alembic upgrade head`` brings dblock's tables up first, on its connection.
 
-Either way the app's autogenerate must not see dblock's tables: ``exclude_dblock``.
+The app's history never holds dblock's revisions, so it keeps one head. (Apps once
+listed ``dblock:_migrations/versions`` in their ``version_locations`` instead; the
+databases they made record dblock's revision in the app's ``alembic_version``, which
+``upgrade`` recognises and ``run_with`` moves to dblock's table.) Autogenerate must
+not see dblock's tables: ``exclude_dblock``, which ``run_with`` puts in place.
 ``upgrade`` reads first and changes nothing when the tables are already at dblock's
 head, whichever history made them, so a role without CREATE can call it then.
 """
@@ -27,9 +31,10 @@ from typing import Any, Callable, Iterator
 import psycopg
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import column, inspect, select, text
-from sqlalchemy import table as table_clause
+from alembic.util import CommandError
+from sqlalchemy import Column, MetaData, String, Table, delete, inspect, select, text
 from sqlalchemy.engine import Connection, Engine, Inspector
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -59,30 +64,26 @@ IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 
 
 def migrations_dir() -> Path:
-    """The ``migrations`` folder: inside the installed wheel, or beside the package in a checkout."""
+    """The ``migrations`` folder: inside the installed wheel (as ``_alembic``), or beside the package in a checkout."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_migrations", here.parent / "migrations"):
+    for candidate in (here / "_alembic", here.parent / "migrations"):
         if (candidate / "env.py").is_file():
             return candidate
-    raise FileNotFoundError(f"dblock's migrations are missing (looked in {here / '_migrations'})")
+    raise FileNotFoundError(f"dblock's migrations are missing (looked in {here / '_alembic'})")
 
 
 def target() -> tuple[str, str | None]:
-    """For dblock's migration scripts: the (table, schema) being migrated.
-
-    dblock's own env.py puts them in ``config.attributes``. Run from an app's
-    history instead, they come from the app's ``alembic.ini`` main section
-    (``dblock_table``, ``dblock_schema``), else the default table ``locks``.
-    """
+    """For dblock's migration scripts: the (table, schema) being migrated, which dblock's env.py
+    puts in ``config.attributes``. Any other env.py running them is refused."""
     from alembic import context
 
-    config = context.config
-    attributes = config.attributes
-    if "dblock_table" in attributes:
-        return attributes["dblock_table"], attributes["dblock_schema"]
-    table = check_identifier(config.get_main_option("dblock_table", DEFAULT_TABLE), "dblock_table")
-    schema = config.get_main_option("dblock_schema")
-    return table, None if not schema else check_identifier(schema, "dblock_schema")
+    attributes = context.config.attributes
+    if "dblock_table" not in attributes:
+        raise CommandError(
+            "dblock's revisions run only through dblock: dblock.migrate.run_with(context) in your env.py, "
+            "`dblock migrate` or Locker.create_schema(), never from your app's version_locations"
+        )
+    return attributes["dblock_table"], attributes["dblock_schema"]
 
 
 def exclude_dblock(
@@ -122,6 +123,24 @@ def alembic_config(table: str, schema: str | None) -> Config:
     return cfg
 
 
+def revisions() -> list[str]:
+    """dblock's revisions, oldest first (``base`` comes before the first)."""
+    script = ScriptDirectory.from_config(alembic_config(DEFAULT_TABLE, None))
+    return [revision.revision for revision in reversed(list(script.walk_revisions()))]
+
+
+def _revisions(cfg: Config) -> tuple[frozenset[str], frozenset[str]]:
+    """dblock's head revisions, and all its revisions."""
+    script = ScriptDirectory.from_config(cfg)
+    return frozenset(script.get_heads()), frozenset(revision.revision for revision in script.walk_revisions())
+
+
+def _serialise(conn: Connection, table: str, schema: str | None) -> None:
+    """PostgreSQL: wait for other migrations of these tables; this one's turn lasts until the transaction ends."""
+    key = zlib.crc32(f"dblock:{schema}.{table}".encode())
+    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+
+
 def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "heads") -> None:
     """Bring dblock's tables to ``revision``, safely when several processes race to do it.
 
@@ -148,9 +167,7 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
             conn.exec_driver_sql("COMMIT")
         return
     with engine.begin() as conn:
-        # Serialise concurrent migrations of this table; released at commit.
-        key = zlib.crc32(f"dblock:{schema}.{table}".encode())
-        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+        _serialise(conn, table, schema)
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
 
@@ -165,12 +182,15 @@ SELECT pg_is_in_recovery(),
        current_setting('synchronous_commit')"""
 
 
-def check_replication(engine: Engine) -> str | None:
+def check_replication(bind: Engine | Connection, *, stacklevel: int = 4) -> str | None:
     """Warn (``ReplicationWarning``, and on the ``dblock.migrate`` logger) when the server
     streams to standbys that do not confirm commits: after a failover to one of them, a token
     could be handed out again. Returns the warning's text, or None when there is nothing to say."""
-    with engine.connect() as conn:
-        recovery, standbys, names, commit = conn.execute(text(_REPLICATION)).one()
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            recovery, standbys, names, commit = conn.execute(text(_REPLICATION)).one()
+    else:
+        recovery, standbys, names, commit = bind.execute(text(_REPLICATION)).one()
     if recovery or not standbys:
         return None  # a standby itself, or no standby to fail over to
     if names.strip() and commit not in ("off", "local"):
@@ -181,20 +201,46 @@ def check_replication(engine: Engine) -> str | None:
         else f"synchronous_commit is {commit!r} (commits do not wait for a standby)"
     )
     message = (
-        f"{display_url(engine.url)} streams to {standbys} standby(s) asynchronously ({why}): after a "
+        f"{display_url(bind.engine.url)} streams to {standbys} standby(s) asynchronously ({why}): after a "
         "failover the promoted standby may lack grants and hand out a fencing token again. dblock's "
         "guarantees across a failover need synchronous replication (README, High availability)"
     )
     log.warning("%s", message)
-    warnings.warn(message, ReplicationWarning, stacklevel=4)  # at create_schema()'s caller
+    warnings.warn(message, ReplicationWarning, stacklevel=stacklevel)  # by default at create_schema()'s caller
     return message
 
 
 def downgrade(engine: Engine, table: str, schema: str | None, revision: str = "base") -> None:
+    """Take dblock's tables down to ``revision`` of its history; ``base`` removes them, and dblock's
+    version table with them. Nothing there: nothing to do. Tables that dblock's own history does not
+    record (the app's, or a newer dblock's) are refused with ``DBLockError``, nothing changed."""
+    known = revisions()
+    if revision != "base" and revision not in known:
+        raise ValueError(f"revision must be base or one of dblock's ({', '.join(known)}), not {revision!r}")
     cfg = alembic_config(table, schema)
+    ours = frozenset(known)
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            _serialise(conn, table, schema)
+        insp = inspect(conn)
+        recorded = _versions(conn, insp, version_table_name(table), schema)
+        if not recorded and not insp.has_table(table, schema=schema):
+            if recorded is not None and revision == "base":
+                _version_table(version_table_name(table), schema).drop(conn)
+            return
+        if not recorded or recorded is _UNREADABLE or not recorded <= ours:
+            in_app = frozenset() if recorded is _UNREADABLE else _in_alembic_version(conn, schema, ours)
+            raise _refusal(engine, table, schema, recorded, ours, in_app, downgrading=True)
+        (current,) = recorded
+        if revision != "base" and known.index(revision) > known.index(current):
+            raise DBLockError(
+                f"dblock's tables {_qualified(table, schema)!r} in {display_url(engine.url)} are at {current}, "
+                f"below {revision}: nothing to downgrade; nothing was changed"
+            )
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
+        if revision == "base":
+            _version_table(version_table_name(table), schema).drop(conn)
 
 
 def sql(url: str, table: str, schema: str | None, revision: str = "heads") -> str:
@@ -206,6 +252,171 @@ def sql(url: str, table: str, schema: str | None, revision: str = "heads") -> st
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # ini values interpolate %
     command.upgrade(cfg, revision, sql=True)
     return out.getvalue()
+
+
+# -- with an app's own Alembic run ---------------------------------------------------
+_PLACE = (
+    "call dblock.migrate.run_with(context) in your env.py after context.configure(...), inside "
+    "`with context.begin_transaction():`, just before context.run_migrations()"
+)
+
+
+def run_with(context: Any, *, table: str = DEFAULT_TABLE, schema: str | None = None) -> None:
+    """Run dblock's migrations with an app's own Alembic run: one call in the app's env.py.
+
+    Call it after ``context.configure(...)``, inside ``with context.begin_transaction():``,
+    just before ``context.run_migrations()``, in the online and the offline function alike::
+
+        with context.begin_transaction():
+            run_with(context)  # table=..., schema=... where dblock's are not the defaults
+            context.run_migrations()
+
+    - ``alembic upgrade`` (to any target; ``--sql`` too) first brings dblock's tables to
+      dblock's latest revision, on the app's connection and in its transaction, recorded in
+      dblock's own version table (``alembic_version_dblock``). The app's history and its
+      ``alembic_version`` never hold dblock's revisions, so the app keeps one head.
+    - Every other command (``downgrade``, ``stamp``, ``revision``, ``check``, ``current``)
+      leaves dblock's tables alone; ``dblock migrate --downgrade base`` removes them.
+    - Autogenerate ignores dblock's tables: the app's ``include_object`` is wrapped in
+      ``exclude_dblock(table, schema=schema)``.
+
+    A database made the old way (dblock's revisions listed in the app's ``version_locations``)
+    records dblock's revision in the app's ``alembic_version``: the next ``alembic upgrade``
+    moves it to dblock's table; other commands refuse until then. An offline upgrade from a
+    starting revision (``alembic upgrade START:END --sql``) cannot know which of dblock's
+    revisions that database has: ``-x dblock_start=REV`` says it (or ``base``).
+
+    Bad arguments raise ``ValueError``; a misplaced call or a bad ``dblock_start`` Alembic's
+    ``CommandError``, before any SQL; database trouble a ``DBLockError``.
+    """
+    if not callable(getattr(context, "get_context", None)):
+        raise TypeError(f"run_with takes Alembic's context (from alembic import context), not {context!r}")
+    table = check_identifier(table, "table")
+    schema = None if schema is None else check_identifier(schema, "schema")
+    try:
+        app: MigrationContext = context.get_context()
+    except Exception as exc:  # noqa: BLE001 - Alembic raises a bare Exception: "No context has been configured yet."
+        raise CommandError(_PLACE) from exc
+    if app.script is not None:
+        app.script.get_heads()  # loads the app's revisions: one that cannot load (the old branch) fails before any SQL
+    app.opts["include_object"] = exclude_dblock(table, schema=schema, include_object=app.opts.get("include_object"))
+    running = _alembic_command(app)
+    if running is None:
+        log.warning("run_with cannot tell which Alembic command runs: dblock's tables are left as they are")
+    cfg = alembic_config(table, schema)
+    with _app_context_kept(app):
+        if app.as_sql:
+            if running == "upgrade":
+                _upgrade_offline(context, app, cfg)
+            return
+        conn = app.connection
+        if conn is None:
+            raise CommandError(_PLACE)
+        started = not conn.in_transaction()  # else the app's: dblock's work commits or rolls back with it
+        with database_errors(conn.engine, table):
+            try:
+                if running == "upgrade":
+                    _upgrade_online(conn, app, cfg, table, schema)
+                else:
+                    _refuse_old_setup(conn, app, cfg)
+            except BaseException:
+                if started and conn.in_transaction():
+                    conn.rollback()
+                raise
+            if started and conn.in_transaction():
+                conn.commit()
+
+
+def _alembic_command(app: MigrationContext) -> str | None:
+    """Which Alembic command runs (``"upgrade"``, ``"downgrade"``, ``"stamp"``, ``"revision"``...), or None.
+
+    Alembic does not tell env.py. Each command of ``alembic.command`` hands the migration
+    context a step function defined inside itself (``upgrade.<locals>.upgrade``), whose
+    qualified name says which. The end-to-end tests (tests/test_alembic_app.py) fail if
+    that stops holding.
+    """
+    fn = app.opts.get("fn")
+    if getattr(fn, "__module__", None) != "alembic.command":
+        return None
+    return str(getattr(fn, "__qualname__", "")).split(".", 1)[0] or None
+
+
+@contextmanager
+def _app_context_kept(app: MigrationContext) -> Iterator[None]:
+    """dblock's env.py runs in an EnvironmentContext of its own, and leaving one empties
+    ``alembic.context`` for everyone: put the app's back, for its ``run_migrations()``."""
+    try:
+        yield
+    finally:
+        if app.environment_context is not None:
+            app.environment_context.__enter__()  # what installs it as alembic.context
+
+
+def _upgrade_online(conn: Connection, app: MigrationContext, cfg: Config, table: str, schema: str | None) -> None:
+    heads, ours = _revisions(cfg)
+    if conn.dialect.name == "postgresql":
+        check_replication(conn, stacklevel=4)  # at the env.py line that calls run_with
+    old = _old_setup(conn, app, ours)
+    state, recorded = _look(conn, table, schema, heads, ours)
+    if not old and (state == "current" or (state == "complete" and recorded)):
+        return  # at dblock's head, or a newer dblock's tables that have what this one needs
+    if conn.dialect.name == "postgresql":
+        _serialise(conn, table, schema)  # a create_schema() racing this waits until the app's run commits
+        old = _old_setup(conn, app, ours)
+        state, recorded = _look(conn, table, schema, heads, ours)
+    if recorded is _UNREADABLE:
+        raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
+    cfg.attributes["connection"] = conn
+    if old:
+        version = _version_table(app.version_table, app.version_table_schema)
+        conn.execute(delete(version).where(version.c.version_num.in_(sorted(old))))
+        log.info("moved dblock's revision %s from %s to dblock's own version table", ", ".join(sorted(old)),
+                 app.version_table)
+        if not recorded:
+            command.stamp(cfg, sorted(old))
+            state, recorded = "behind", old
+    if state == "complete" and not recorded:
+        # At dblock's head, but no history records it (the old set-up, merged into the app's
+        # history): record it, so that dblock's next revision knows where to start.
+        command.stamp(cfg, "heads")
+    elif state == "incomplete":
+        raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
+    elif state in ("behind", "absent"):
+        command.upgrade(cfg, "heads")
+
+
+def _refuse_old_setup(conn: Connection, app: MigrationContext, cfg: Config) -> None:
+    """Commands other than upgrade change nothing of dblock's: if the app's alembic_version still
+    holds dblock's revision, Alembic would fail on it without saying why; say it first."""
+    old = _old_setup(conn, app, _revisions(cfg)[1])
+    if old:
+        raise DBLockError(
+            f"your {app.version_table} records dblock's revision {', '.join(sorted(old))}, from when dblock's "
+            "revisions were part of your app's history: run `alembic upgrade head` once, which moves it to "
+            "dblock's own version table; nothing was changed"
+        )
+
+
+def _old_setup(conn: Connection, app: MigrationContext, ours: frozenset[str]) -> frozenset[str]:
+    """dblock's revisions in the app's own version table: what listing them in version_locations left."""
+    found = _versions(conn, inspect(conn), app.version_table, app.version_table_schema)
+    return frozenset() if found is None or found is _UNREADABLE else found & ours
+
+
+def _upgrade_offline(context: Any, app: MigrationContext, cfg: Config) -> None:
+    start = context.get_x_argument(as_dictionary=True).get("dblock_start")
+    if start is None and context.get_starting_revision_argument() is not None:
+        raise CommandError(
+            "an offline upgrade from a starting revision cannot know which of dblock's revisions that database "
+            "has: add -x dblock_start=REV, REV being what its alembic_version_dblock records (or base)"
+        )
+    known = revisions()
+    if start not in (None, "base") and start not in known:
+        raise CommandError(f"-x dblock_start must be base or one of dblock's revisions ({', '.join(known)}), "
+                           f"not {start!r}")
+    cfg.output_buffer = app.output_buffer
+    cfg.attributes["dialect_name"] = app.dialect.name  # dblock's env.py: no BEGIN/COMMIT of its own
+    command.upgrade(cfg, "heads" if start in (None, "base") else f"{start}:heads", sql=True)
 
 
 # -- is there anything to do? ----------------------------------------------------
@@ -222,59 +433,110 @@ def _at_head(engine: Engine, table: str, schema: str | None) -> bool:
     exist but dblock's history cannot bring them up: running it would fail
     half-way on objects that already exist (``locks_token_seq already exists``).
     """
-    script = ScriptDirectory.from_config(alembic_config(table, schema))
-    heads = frozenset(script.get_heads())
-    ours = {revision.revision for revision in script.walk_revisions()}
-    where = engine.url.render_as_string(hide_password=True)
+    heads, ours = _revisions(alembic_config(table, schema))
     # Autocommit: on PostgreSQL a refused SELECT would otherwise abort the rest.
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        insp = inspect(conn)
-        recorded = _versions(conn, insp, version_table_name(table), schema)
-        if recorded == heads:
-            return True
-        if recorded and recorded is not _UNREADABLE and recorded <= ours:
-            return False  # dblock's own history, behind: it upgrades itself
-        if not recorded and not insp.has_table(table, schema=schema):
-            return False  # nothing there yet
-        if _has_head_objects(insp, table, schema):
-            return True  # the app's history, a newer dblock, or a role that may not read the version table
-        in_app: set[str] = set()
-        for app_schema in {None, schema}:
-            found = _versions(conn, insp, "alembic_version", app_schema)
-            if found is not None and found is not _UNREADABLE:
-                in_app |= found & ours
-    name = table if schema is None else f"{schema}.{table}"
+        state, recorded = _look(conn, table, schema, heads, ours)
+        if state in ("current", "complete"):
+            return True  # complete: the app's history, a newer dblock, or a role that may not read the version table
+        if state in ("behind", "absent"):
+            return False
+        in_app = _in_alembic_version(conn, schema, ours)
+    raise _refusal(engine, table, schema, recorded, ours, in_app)
+
+
+def _look(
+    conn: Connection, table: str, schema: str | None, heads: frozenset[str], ours: frozenset[str]
+) -> tuple[str, frozenset[str] | None]:
+    """Where dblock's tables are, and what dblock's version table records (None: no such table).
+
+    ``current``: at dblock's head. ``behind``: at an older revision of dblock's own
+    history, which upgrades itself. ``absent``: nothing there yet. ``complete``: no
+    usable record, but every object of the head is there. ``incomplete``: none of
+    these; ``_refusal`` says why.
+    """
+    insp = inspect(conn)
+    recorded = _versions(conn, insp, version_table_name(table), schema)
+    if recorded == heads:
+        return "current", recorded
+    if recorded and recorded is not _UNREADABLE and recorded <= ours:
+        return "behind", recorded
+    if not recorded and not insp.has_table(table, schema=schema):
+        return "absent", recorded
+    if _has_head_objects(insp, table, schema):
+        return "complete", recorded
+    return "incomplete", recorded
+
+
+def _in_alembic_version(conn: Connection, schema: str | None, ours: frozenset[str]) -> frozenset[str]:
+    """dblock's revisions in an app's alembic_version (default schema, or dblock's): the old set-up's."""
+    insp = inspect(conn)
+    in_app: set[str] = set()
+    for app_schema in {None, schema}:
+        found = _versions(conn, insp, "alembic_version", app_schema)
+        if found is not None and found is not _UNREADABLE:
+            in_app |= found & ours
+    return frozenset(in_app)
+
+
+def _refusal(
+    engine: Engine,
+    table: str,
+    schema: str | None,
+    recorded: frozenset[str] | None,
+    ours: frozenset[str],
+    in_app: frozenset[str],
+    *,
+    downgrading: bool = False,
+) -> DBLockError:
+    """Why dblock's own history cannot run on these tables (``_look`` found them ``incomplete``)."""
+    where = display_url(engine.url)
+    name = _qualified(table, schema)
     if in_app:
-        raise DBLockError(
+        return DBLockError(
             f"dblock's table {name!r} in {where} was created by your app's Alembic history, which records "
-            f"{', '.join(sorted(in_app))} in alembic_version; upgrade it there (`alembic upgrade heads`), "
-            "not with create_schema() or `dblock migrate`; nothing was changed"
+            f"{', '.join(sorted(in_app))} in alembic_version; call dblock.migrate.run_with(context) in your env.py "
+            "and run `alembic upgrade head`, which moves that to dblock's own version table and "
+            f"{'brings the tables up' if not downgrading else 'then lets dblock migrate --downgrade remove them'} "
+            "(README, \"Adding dblock to an existing app\"); nothing was changed"
         )
     if recorded is _UNREADABLE:
-        raise PermissionDenied(
-            f"dblock's table {name!r} in {where} needs upgrading, and role {engine.url.username or '(default)'!r} "
-            f"may not even read its version table {version_table_name(table)!r}: run `dblock migrate` as the role "
-            "that owns the schema; nothing was changed",
+        return PermissionDenied(
+            f"dblock's table {name!r} in {where} needs {'upgrading' if not downgrading else 'downgrading'}, and "
+            f"role {engine.url.username or '(default)'!r} may not even read its version table "
+            f"{version_table_name(table)!r}: run `dblock migrate` as the role that owns the schema; nothing was changed",
             sqlstate="42501",
         )
     if recorded:
-        raise DBLockError(
-            f"dblock's table {name!r} in {where} was migrated by a newer dblock (revision "
-            f"{', '.join(sorted(recorded - ours))}) and lacks what this one needs; upgrade dblock; nothing was changed"
+        newer = ", ".join(sorted(recorded - ours))
+        return DBLockError(
+            f"dblock's table {name!r} in {where} was migrated by a newer dblock (revision {newer}) and "
+            + ("lacks what this one needs; upgrade dblock" if not downgrading else "only that dblock can downgrade it")
+            + "; nothing was changed"
         )
-    raise DBLockError(
+    return DBLockError(
         f"a table {name!r} exists in {where} but no dblock history made it (no dblock revision in "
         f"{version_table_name(table)!r} or alembic_version) and it is not dblock's current schema; "
-        "give dblock another table name (table=...), or upgrade it through the history that made it; "
-        "nothing was changed"
+        + ("give dblock another table name (table=...), or upgrade it through the history that made it"
+           if not downgrading else "dblock leaves it alone")
+        + "; nothing was changed"
     )
+
+
+def _qualified(table: str, schema: str | None) -> str:
+    return table if schema is None else f"{schema}.{table}"
+
+
+def _version_table(name: str, schema: str | None) -> Table:
+    """An Alembic version table, as much of it as dblock reads, writes and drops."""
+    return Table(name, MetaData(), Column("version_num", String(32), primary_key=True), schema=schema)
 
 
 def _versions(conn: Connection, insp: Inspector, name: str, schema: str | None) -> frozenset[str] | None:
     """The revisions an Alembic version table records; None if it does not exist."""
     if not insp.has_table(name, schema=schema):
         return None
-    version_table = table_clause(name, column("version_num"), schema=schema)
+    version_table = _version_table(name, schema)
     try:
         return frozenset(conn.execute(select(version_table.c.version_num)).scalars())
     except DBAPIError as exc:

@@ -73,6 +73,7 @@ def _check_mapper(mapper: Mapper[Any], cls: Any) -> None:
 class FlushFence:
     """The fence in force on one Session inside a fenced_session block (either face's)."""
 
+    lease: TokenLike  # as given: refusals name it (and dblock.metrics counts them by it)
     token: int
     strict: bool
     touched: set[tuple[Mapper[Any], tuple[Any, ...]]] = field(default_factory=set)
@@ -101,7 +102,7 @@ class FlushFence:
         an ordinary concurrent change, not a lost lock.
         """
         if winner is not None and (winner > self.token or (self.strict and winner == self.token)):
-            return refused(self.token, "a row flushed in this session", winner, self.strict)
+            return refused(self.lease, "a row flushed in this session", winner, self.strict)
         return None
 
 
@@ -126,7 +127,7 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
         session = session()
     if not isinstance(session, Session):
         raise TypeError(f"fenced_session needs a SQLAlchemy Session, not {type(session).__name__}")
-    with fence_flushes(session, token, strict) as fence:
+    with fence_flushes(session, token, strict, lease) as fence:
         try:
             yield session
             session.flush()
@@ -147,7 +148,7 @@ def fenced_session(session: Session, lease: TokenLike, *, strict: bool = False) 
 
 
 @contextmanager
-def fence_flushes(session: Session, token: int, strict: bool) -> Iterator[FlushFence]:
+def fence_flushes(session: Session, token: int, strict: bool, lease: TokenLike | None = None) -> Iterator[FlushFence]:
     """Put a FlushFence for ``token`` in force on ``session`` for the block, and take it off after.
 
     Shared by both faces' ``fenced_session`` (an AsyncSession's is its
@@ -158,7 +159,7 @@ def fence_flushes(session: Session, token: int, strict: bool) -> Iterator[FlushF
         raise TypeError("strict must be True or False")
     if session in _active:
         raise RuntimeError("this Session is already inside a fenced_session block")
-    fence = FlushFence(token, strict)
+    fence = FlushFence(token if lease is None else lease, token, strict)
 
     def transaction_ended(session: Session, transaction: Any) -> None:
         if transaction.parent is None:
@@ -206,7 +207,7 @@ def _check(fence: FlushFence, mapper: Mapper[Any], target: Any) -> None:
     # (autoflush, insert then update) are one write.
     again = loaded == fence.token and key not in fence.stamped
     if loaded > fence.token or (fence.strict and again):
-        raise refused(fence.token, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
+        raise refused(fence.lease, f"row {key[1]!r} of {type(target).__name__}", loaded, fence.strict)
 
 
 def _has_column_changes(mapper: Mapper[Any], target: Any) -> bool:

@@ -83,6 +83,7 @@ class Renewer:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # the scheduler waits here
         self._work = threading.Condition(self._lock)  # idle workers wait here
+        self._settled = threading.Condition(self._lock)  # ``settle`` waits here for an extend in flight
         self._heap: list[tuple[float, int, _Entry]] = []
         self._count = itertools.count()
         self._live = 0  # entries not done
@@ -115,6 +116,26 @@ class Renewer:
         with self._lock:
             self._leave(entry)
             self._wake.notify()
+
+    def settle(self, entry: Renewal, deadline: float) -> None:
+        """Take the lease out of the schedule, and wait (until ``deadline``, monotonic) for an extend
+        of it already sent: none lands after this returns, unless one was cut off by its own deadline
+        (a statement the server may still run later). For a release that keeps the lease's owner."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            self._leave(entry)
+            self._wake.notify()
+            while entry.busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    lease = entry.ref()
+                    log.warning(
+                        "an extend of %r is still in flight as its release goes out: it may keep the lease up to "
+                        "a ttl longer than its hold", "a lease" if lease is None else lease.name,
+                    )
+                    return
+                self._settled.wait(left)
 
     def renewing(self) -> int:
         """How many leases this Locker renews now."""
@@ -216,6 +237,7 @@ class Renewer:
                     else:
                         self._push(entry, when)
                 self._wake.notify()
+                self._settled.notify_all()
             _report(lost)
 
     def _extend(self, job: list[_Entry]) -> list[tuple[_Entry, float | None, str]]:
@@ -287,7 +309,7 @@ def _lose(lease: Lease, state: LeaseState, on_lost: OnLost | None, why: str) -> 
     if state.ended():
         return  # released meanwhile: the extend that raced the release found nothing, as it should
     # Once lost, stays lost. The entry has left the schedule already.
-    state.lost.set()
+    state.lose()
     log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
     if on_lost is not None:
         threading.Thread(

@@ -28,6 +28,7 @@ class Statements:
     acquire: str
     holder: str | None  # SQLite only: PostgreSQL's acquire reports the holder itself
     release: str
+    release_held: str  # release of a lease with a minimum hold (min_hold > 0)
     released: str
     extend: str
     extend_many: str  # renewal: many leases in one statement
@@ -137,6 +138,35 @@ SELECT token, false FROM r
 UNION ALL
 SELECT h.token, h.notified FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
 WHERE NOT EXISTS (SELECT FROM r)"""
+    # release_held (a release of a lease granted with min_hold > 0)
+    # binds: name, owner, token, hold (seconds after the grant the lease is kept)
+    # returns one row (token, handed, held_until) when (name, owner, token) still
+    #   matched, as release does (zero rows: already released, or taken over):
+    #   held_until NULL: the hold had passed (acquired_at + hold <= now()), so
+    #     this call ended the lease exactly as release does, hand-off included.
+    #   held_until set: the hold has not passed. The lease is kept (owner, token
+    #     and label unchanged) and now ends at acquired_at + hold by the database
+    #     clock, whatever its expiry was: sooner if its ttl or an extend reached
+    #     past the hold (the work is done), later if the hold is longer than the
+    #     ttl, or if the lease ran out while nobody took it. Nothing is handed
+    #     over: a fair waiter gets the lease at that expiry, as after a holder
+    #     that died (the first few in line look then). A late extend of the same
+    #     lease would still push the expiry out; the Lease sends none after this.
+    # One UPDATE: its WHERE re-reads waiting after a row lock, as release's does.
+    hold = "l.acquired_at + %(hold)s * interval '1 second'"
+    release_held = f"""
+WITH r AS (
+    UPDATE {t} AS l SET
+        owner = CASE WHEN {hold} > now() THEN l.owner END,
+        expires_at = CASE WHEN {hold} > now() THEN {hold} END
+    WHERE l.name = %(name)s AND l.owner = %(owner)s AND l.token = %(token)s
+      AND (l.waiting = 0 OR {hold} > now())
+    RETURNING l.token, l.expires_at
+)
+SELECT token, false, expires_at FROM r
+UNION ALL
+SELECT h.token, h.notified, NULL FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
     # released (only after a release whose reply was lost)
     # binds: name, owner, token
     # returns one row when the lease with this token ended and nobody took the
@@ -239,8 +269,8 @@ SELECT w.name, count(*)::int FROM {queue} AS w JOIN {procs} AS p ON p.id = w.pro
 WHERE p.until > now() AND (w.until IS NULL OR w.until > now())
 GROUP BY w.name"""
     return Statements(
-        "postgresql", acquire, None, release, released, extend, extend_many, leases, prune, prune_lock, enqueue, cancel,
-        beat=beat, waiters=waiters,
+        "postgresql", acquire, None, release, release_held, released, extend, extend_many, leases, prune, prune_lock,
+        enqueue, cancel, beat=beat, waiters=waiters,
     )
 
 
@@ -283,6 +313,14 @@ RETURNING token, expires_at"""
 UPDATE {t} SET owner = NULL, expires_at = NULL
 WHERE name = :name AND owner = :owner AND token = :token
 RETURNING token"""
+    # release_held: release_held's contract above; SQLite has no queue to hand over to.
+    hold = f"acquired_at + :hold > {SQLITE_NOW}"
+    release_held = f"""
+UPDATE {t} SET
+    owner = CASE WHEN {hold} THEN owner END,
+    expires_at = CASE WHEN {hold} THEN acquired_at + :hold END
+WHERE name = :name AND owner = :owner AND token = :token
+RETURNING token, 0, expires_at"""
     released = f"SELECT token FROM {t} WHERE name = :name AND token = :token AND owner IS NULL"
     extend = f"""
 UPDATE {t} SET expires_at = {_EXPIRES}
@@ -312,7 +350,9 @@ RETURNING name"""
     # binds: name, owner
     # returns one row (token) when owner holds the name; zero rows: it does not.
     owned = f"SELECT token FROM {t} WHERE name = :name AND owner = :owner"
-    return Statements("sqlite", acquire, holder, release, released, extend, extend_many, leases, prune, None, owned=owned)
+    return Statements(
+        "sqlite", acquire, holder, release, release_held, released, extend, extend_many, leases, prune, None, owned=owned
+    )
 
 
 # -- shared leases (read locks and semaphores, migration 0007) --------------------------

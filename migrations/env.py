@@ -3,9 +3,10 @@
 dblock keeps its own version table (``alembic_version_dblock``), so running
 these migrations never touches a host application's ``alembic_version``.
 
-Run by ``Locker.create_schema()`` with a connection and the table options in
-``config.attributes``, or by the ``alembic`` command with ``sqlalchemy.url`` in
-the ini file and ``-x table=... -x schema=...``.
+Run by ``Locker.create_schema()`` and ``dblock.migrate.run_with()`` (in an app's
+own env.py) with a connection and the table options in ``config.attributes``, or
+by the ``alembic`` command with ``sqlalchemy.url`` in the ini file and
+``-x table=... -x schema=...``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,13 @@ def run(connection) -> None:
 
 
 if context.is_offline_mode():
+    # From dblock.migrate.run_with, inside an app's offline run: the app's dialect, and no
+    # BEGIN/COMMIT of dblock's own, so that its statements join the app's transaction block.
+    dialect_name = config.attributes.get("dialect_name")
     context.configure(
-        url=config.get_main_option("sqlalchemy.url"),
+        url=None if dialect_name else config.get_main_option("sqlalchemy.url"),
+        dialect_name=dialect_name,
+        transactional_ddl=False if dialect_name else None,
         literal_binds=True,
         version_table=version_table_name(table),
         version_table_schema=schema,

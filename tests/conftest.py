@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -209,6 +210,28 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bin_dir
 
 
+@contextmanager
+def scratch_database(pg_url: str, prefix: str) -> Iterator[str]:
+    """The URL of a new, empty database on the server of ``pg_url`` (for tests that compare a whole
+    database, as autogenerate does), dropped afterwards."""
+    name = prefix + secrets.token_hex(4)
+    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+        try:
+            yield make_url(pg_url).set(database=name).render_as_string(hide_password=False)
+        finally:
+            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def lock_once(url: str, table: str, schema: str | None) -> int:
+    """Acquire and release a lock on dblock's tables there: they work. Returns the grant's token."""
+    with Locker(url, table=table, schema=schema) as locker:
+        lease = locker.try_acquire("app-job")
+        assert lease is not None
+        lease.release()
+        return lease.token
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll for an event that must happen; fail if it does not within `timeout`."""
     import time
@@ -220,4 +243,4 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "
         time.sleep(0.005)
 
 
-__all__ = ["Db", "dblock", "libpq_dsn", "wait_for", "warm_waiting"]
+__all__ = ["Db", "dblock", "libpq_dsn", "lock_once", "scratch_database", "wait_for", "warm_waiting"]

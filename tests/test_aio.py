@@ -448,3 +448,39 @@ async def test_locked_refuses_a_plain_function(db: Db) -> None:
     async with alocker(db) as locker:
         with pytest.raises(TypeError, match="coroutine"):
             locker.locked("x")(lambda: None)
+
+
+# -- min_hold ---------------------------------------------------------------------------
+async def test_a_release_within_min_hold_keeps_the_lease_until_then(db: Db) -> None:
+    async with alocker(db) as locker, alocker(db) as other:
+        lease = await locker.acquire("period", ttl=30, min_hold=1.5, renew=True)
+        assert lease.min_hold == 1.5
+        assert await lease.release() is True and lease.held_until is not None
+        assert (lease.held_until - lease.expires_at).total_seconds() < 0  # cut back from the 30 s ttl
+        assert held(db) == [("period", lease.token)]  # kept: owner and token stay
+        assert await lease.release() is False  # nothing left to end
+        with pytest.raises(LeaseLost):
+            await lease.extend()
+        waiter = asyncio.create_task(other.acquire("period", timeout=10))
+        await asyncio.sleep(0.5)
+        assert not waiter.done()  # not handed over at the release: the hold runs on
+        after = await asyncio.wait_for(waiter, 10)
+        assert after.token > lease.token and time.time() >= lease.held_until.timestamp() - 0.05
+        await after.release()
+
+
+async def test_locked_with_min_hold_runs_once_per_period(db: Db) -> None:
+    async with alocker(db) as locker, alocker(db) as elsewhere:
+        runs: list[str] = []
+
+        def job(where: str, on: AsyncLocker) -> Any:
+            @on.locked("nightly", ttl=5, timeout=0, min_hold=60)
+            async def run() -> None:
+                runs.append(where)
+
+            return run
+
+        await job("here", locker)()
+        with pytest.raises(LockNotAcquired):  # the job finished, but its period has not
+            await job("there", elsewhere)()
+        assert runs == ["here"]

@@ -23,7 +23,6 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.pool import NullPool
 
 from dblock import (
-    DBLockError,
     FencedOut,
     Lease,
     Locker,
@@ -44,7 +43,7 @@ from dblock.schema import (
     waiters_table_name,
 )
 
-from .conftest import libpq_dsn, wait_for
+from .conftest import libpq_dsn, lock_once, scratch_database, wait_for
 
 APP_ENV = '''
 from alembic import context
@@ -101,17 +100,15 @@ class App:
         (path / "migrations" / "versions").mkdir(parents=True)
         (path / "migrations" / "env.py").write_text(APP_ENV)
         (path / "migrations" / "versions" / "app_0001_notes.py").write_text(APP_MIGRATION)
-        self.write_ini(one_history=False)
+        self.write_ini()
 
-    def write_ini(self, *, one_history: bool) -> None:
+    def write_ini(self) -> None:
         lines = [
             "[alembic]",
             "script_location = %(here)s/migrations",
             "path_separator = space",
             "sqlalchemy.url = " + self.url.replace("%", "%%"),
         ]
-        if one_history:  # as the README's "In your app's history" says
-            lines.append("version_locations = %(here)s/migrations/versions dblock:_migrations/versions")
         if self.table != DEFAULT_TABLE:
             lines.append(f"dblock_table = {self.table}")
         if self.schema is not None:
@@ -174,11 +171,7 @@ class App:
             assert sorted(removed) == sorted(dblock_tables), done
 
     def lock_once(self) -> int:
-        with Locker(self.url, table=self.table, schema=self.schema) as locker:
-            lease = locker.try_acquire("app-job")
-            assert lease is not None
-            lease.release()
-            return lease.token
+        return lock_once(self.url, self.table, self.schema)
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -187,15 +180,8 @@ def app(request: pytest.FixtureRequest, wheel_venv: Path, tmp_path: Path) -> Ite
     if request.param == "sqlite":
         yield App(tmp_path / "app", wheel_venv, f"sqlite:///{tmp_path / 'app.db'}", DEFAULT_TABLE, None)
         return
-    pg_url = request.getfixturevalue("pg_url")
-    name = "app_" + secrets.token_hex(4)
-    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-        try:
-            url = make_url(pg_url).set(database=name).render_as_string(hide_password=False)
-            yield App(tmp_path / "app", wheel_venv, url, "app_locks", "dblock")
-        finally:
-            admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    with scratch_database(request.getfixturevalue("pg_url"), "app_") as url:
+        yield App(tmp_path / "app", wheel_venv, url, "app_locks", "dblock")
 
 
 def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> None:
@@ -207,46 +193,6 @@ def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> No
     queue_tables = [waiters_table_name(app.table), procs_table_name(app.table)] if app.schema is not None else []
     app.check_autogenerate(app.table, fences_table_name(app.table), version_table_name(app.table), *queue_tables)
     assert app.lock_once() >= 1
-
-
-def test_one_history_with_the_dblock_branch(app: App) -> None:
-    app.write_ini(one_history=True)
-    if app.schema is not None:  # the README says: create the schema first
-        with psycopg.connect(libpq_dsn(app.url), autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {app.schema}")
-    app.alembic("upgrade", "heads")
-    assert app.versions() == {"app_0001", DBLOCK_HEAD}
-    dblock_tables = {app.table, fences_table_name(app.table)}
-    if app.schema is not None:  # PostgreSQL: the fair queue's tables too
-        dblock_tables |= {waiters_table_name(app.table), procs_table_name(app.table)}
-    assert dblock_tables <= app.tables(app.schema)
-    assert not any(t.startswith("alembic_version_dblock") for t in app.tables() | app.tables(app.schema))
-    app.check_autogenerate()  # what the filter hides was shown above; here no version table of dblock's exists
-    assert app.lock_once() >= 1
-
-    # create_schema() and `dblock migrate` see dblock's head recorded by the app's history: they change nothing.
-    before = app.catalog()
-    Locker(app.url, table=app.table, schema=app.schema).create_schema()
-    app.dblock_migrate()
-    assert app.catalog() == before and app.versions() == {"app_0001", DBLOCK_HEAD}
-    # Behind (the app's history still at 0003): upgrading is the app's history's job, and they say so.
-    app.alembic("downgrade", "dblock@dblock_0003")
-    before = app.catalog()
-    with pytest.raises(DBLockError, match="created by your app's Alembic history.*dblock_0003.*alembic upgrade heads"):
-        Locker(app.url, table=app.table, schema=app.schema).create_schema()
-    assert "alembic upgrade heads" in app.run("dblock", "--url", app.url, "migrate", "--table", app.table,
-                                              *(["--schema", app.schema] if app.schema else []), ok=False).stderr
-    assert app.catalog() == before and app.versions() == {"app_0001", "dblock_0003"}
-    app.alembic("upgrade", "heads")
-    assert app.versions() == {"app_0001", DBLOCK_HEAD}
-
-    app.alembic("downgrade", "dblock@base")
-    assert app.versions() == {"app_0001"}
-    assert not dblock_tables & app.tables(app.schema) and "notes" in app.tables()
-    if app.url.startswith("postgresql"):
-        engine = create_engine(app.url)
-        assert token_sequence_name(app.table) not in inspect(engine).get_sequence_names(schema=app.schema)
-        engine.dispose()
 
 
 def readme_grants() -> str:

@@ -9,6 +9,7 @@ import secrets
 import select
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -292,6 +293,26 @@ def test_run_passes_the_status_and_the_token_on_the_embedded_default(embedded: C
     assert again.returncode == 0 and int(again.stdout) > int(token)
 
 
+def test_min_interval_runs_a_job_once_per_period_whichever_machine_starts_it(cli: Cli, tmp_path: Path) -> None:
+    """The crontab line on three servers whose clocks differ by more than the job takes: each
+    `dblock run` starts after the one before has finished. With --min-interval the first
+    runs the job and keeps the lock for the period; without it, every one runs it again."""
+    log = tmp_path / "log"
+    job = [PY, "-c", f"open({str(log)!r}, 'a').write('ran\\n')"]
+    first = cli("run", "report", "--min-interval", "1m", "--", *job)
+    assert first.returncode == 0, first
+    for _ in range(2):
+        late = cli("run", "report", "--min-interval", "1m", "--", *job)
+        assert late.returncode == EXIT_BUSY and late.stderr.startswith("dblock: lock 'report' is busy: held by "), late
+    assert log.read_text() == "ran\n"
+    (info,) = json.loads(cli("status", "report", "--json").stdout)
+    # Kept a minute from its grant (not its 30 s ttl), though the job took a moment.
+    assert info["held_for"] + info["expires_in"] == pytest.approx(60, abs=0.01) and info["expires_in"] > 30
+    for _ in range(2):  # the control: without it, a late start runs the job again
+        assert cli("run", "plain", "--", *job).returncode == 0
+    assert log.read_text() == "ran\n" * 3
+
+
 def test_a_command_that_cannot_start_releases_the_lock(embedded: Cli, tmp_path: Path) -> None:
     missing = embedded("run", "job", "--", str(tmp_path / "no-such-command"))
     assert missing.returncode == EXIT_NOT_FOUND and "command not found" in missing.stderr
@@ -407,6 +428,32 @@ def test_migrate_creates_the_tables_and_prints_the_ddl(tmp_path: Path) -> None:
     assert ran.returncode == 0, ran
     missing = cli("run", "--url", f"sqlite:///{target}", "x", "--", "true")  # table "locks" was never made
     assert missing.returncode == EXIT_UNAVAILABLE and "dblock migrate" in missing.stderr
+
+
+def test_migrate_downgrade_removes_dblocks_tables_only(tmp_path: Path) -> None:
+    cli = Cli(None, tmp_path)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    made = cli("migrate", "--url", url)
+    assert made.returncode == 0, made
+    app = sqlite3.connect(tmp_path / "app.db")
+    app.execute("CREATE TABLE notes (id integer PRIMARY KEY)")
+    app.commit()
+
+    def tables() -> set[str]:
+        return {r[0] for r in app.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    down = cli("migrate", "--url", url, "--downgrade", "dblock_0002")
+    assert down.returncode == 0 and "is at dblock_0002" in down.stderr, down
+    assert app.execute("SELECT version_num FROM alembic_version_dblock").fetchall() == [("dblock_0002",)]
+    assert "label" not in {r[1] for r in app.execute("PRAGMA table_info(locks)")}
+    higher = cli("migrate", "--url", url, "--downgrade", "dblock_0003")  # above where the tables are
+    assert higher.returncode == EXIT_UNAVAILABLE and "below dblock_0003: nothing to downgrade" in higher.stderr
+    gone = cli("migrate", "--url", url, "--downgrade", "base")
+    assert gone.returncode == 0 and "removed dblock's tables" in gone.stderr, gone
+    assert tables() == {"notes"}  # dblock's version table too; the app's table stays
+    again = cli("migrate", "--url", url, "--downgrade", "base")
+    assert again.returncode == 0 and tables() == {"notes"}
+    app.close()
 
 
 def test_migrate_on_postgresql(pg: Db, tmp_path: Path) -> None:
@@ -546,6 +593,9 @@ def test_status_json_is_exact_and_a_password_in_the_query_is_never_printed(pg_cl
         ["run", "x", "--ttl", "soon", "--", "true"],
         ["run", "x", "--wait", "-2", "--", "true"],
         ["run", "x", "--grace", "nan", "--", "true"],
+        ["run", "x", "--min-interval", "-1", "--", "true"],
+        ["run", "x", "--min-interval", "inf", "--", "true"],
+        ["run", "x", "--min-interval", "soon", "--", "true"],
         ["run", "x", "--bogus", "--", "true"],
         ["run", "x", "--table", "no way", "--", "true"],
         ["run", "x", "--schema", "s", "--", "true"],
@@ -555,6 +605,8 @@ def test_status_json_is_exact_and_a_password_in_the_query_is_never_printed(pg_cl
         ["release", "x"],
         ["release", "x", "--force"],
         ["migrate", "--table", "1x"],
+        ["migrate", "--downgrade", "dblock_9999"],
+        ["migrate", "--downgrade", "base", "--sql"],
     ],
 )
 def test_bad_arguments_exit_2_with_usage_and_touch_nothing(
@@ -632,6 +684,7 @@ def test_a_missing_double_dash_is_answered_with_the_fix(
         (["--ttl", "0"], "ttl must be between 1 ms and 366 days, not 0 s"),
         (["--wait", "-90"], "timeout must be >= 0 seconds (math.inf waits for ever), not -90 s"),
         (["--ttl", "5 minutes"], "not a duration: '5 minutes' (e.g. 30, 90s, 5m, 1h, 1d, 250ms)"),
+        (["--min-interval", "400d"], "min-interval must be between 0 s and 366 days, not 400 days"),
     ],
 )
 def test_errors_say_durations_as_people_do(

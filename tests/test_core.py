@@ -51,6 +51,23 @@ def test_cancel_row_tells_a_lease_handed_first_from_a_plain_exit() -> None:
     assert core.cancelled([]) is None
 
 
+def test_release_rows_say_ended_or_held_until_when() -> None:
+    # The plain release: PostgreSQL's (token, handed), SQLite's (token,); zero rows: not ours.
+    assert core.ended([(4, True)], held=False) == core.Ended(True, None)
+    assert core.ended([(4,)], held=False) == core.Ended(True, None)
+    assert core.ended([], held=False) == core.Ended(False, None)
+    # release_held: (token, handed, held_until); NULL held_until: the hold had passed, it ended now.
+    assert core.ended([(4, False, T0)], held=True) == core.Ended(True, T0)
+    assert core.ended([(4, 0, T0.timestamp())], held=True) == core.Ended(True, T0)  # SQLite keeps seconds
+    assert core.ended([(4, True, None)], held=True) == core.Ended(True, None)
+    assert core.ended([], held=True) == core.Ended(False, None)
+
+
+def test_only_a_positive_min_hold_takes_the_held_release() -> None:
+    assert core.holds(0.001) and core.holds(3600.0)
+    assert not core.holds(0.0)  # no hold: the plain release statement, as before holds existed
+
+
 def test_extend_many_rows_match_leases_by_name_and_token_in_the_callers_order() -> None:
     later = T0 + timedelta(seconds=30)
     rows = [("b", 2, later), ("a", 1, T0.timestamp())]

@@ -47,6 +47,40 @@ def test_readme_decorator_example_runs(pg: Db, capsys: pytest.CaptureFixture[str
     assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
 
 
+def test_readme_metrics_example_runs(pg: Db) -> None:
+    """In a process of its own: OpenTelemetry's console exporter writes to the real stdout."""
+    url = 'Locker("postgresql+psycopg://app@db/app", ttl=30)'
+    (block,) = [b for b in python_blocks() if "dblock.metrics.enable(" in b]
+    assert url in block
+    code = block.replace(url, f"Locker({pg.url!r}, table={pg.table!r}, ttl=30)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("dblock.lock.wait.duration", "dblock.lock.hold.duration", "dblock.lock.grants"):
+        assert f'"name": "{name}"' in out.stdout, out.stdout
+    assert pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)]
+
+
+def section(title: str) -> str:
+    """The README's text under a heading (``### Celery``), up to the next heading of level 2 or 3."""
+    return re.split(r"\n#{2,3} ", (ROOT / "README.md").read_text().split(f"\n{title}\n", 1)[1], 1)[0]
+
+
+def test_readme_min_hold_example_runs(pg: Db, capsys: pytest.CaptureFixture[str]) -> None:
+    url = 'Locker("postgresql://app@db/app", table="periodic")'
+    (block,) = re.findall(r"```python\n(.*?)```", section("### Once per period (min_hold)"), re.S)
+    assert url in block
+    namespace: dict[str, object] = {}
+    exec(compile(block.replace(url, f"Locker({pg.url!r}, table={pg.table!r})"), "README.md", "exec"), namespace)
+    namespace["locker"].close()  # type: ignore[attr-defined]
+    assert capsys.readouterr().out.splitlines() == ["report sent", "already done", "True", "True", "None"]
+    # Both leases are kept: the report's for an hour after its grant, the clean-up's for a week.
+    kept = pg.query(
+        f"SELECT name, EXTRACT(EPOCH FROM expires_at - acquired_at)::int FROM {pg.table} "
+        "WHERE owner IS NOT NULL AND expires_at > now() ORDER BY name"
+    )
+    assert kept == [("nightly-report", 3600), ("weekly-cleanup", 7 * 86400)]
+
+
 def test_readme_fencing_examples_run(pg_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Every python block of "Fencing your writes", in order, on a scratch database."""
     text = (ROOT / "README.md").read_text()
