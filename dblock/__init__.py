@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseInfo
-    from .locker import Locker
+    from .locker import Locker, Shared
 
 _LAZY = {
     "AsyncLease": ".aio",
@@ -42,6 +42,7 @@ _LAZY = {
     "Lease": ".lease",
     "LeaseInfo": ".lease",
     "Locker": ".locker",
+    "Shared": ".locker",
 }
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "PermissionDenied",
     "ReplicationWarning",
     "SchemaMissing",
+    "Shared",
     "check_lease",
     "commit_guard",
     "current_lease",

@@ -108,6 +108,20 @@ def acquired(dialect: str, rows: Rows, holder: Rows) -> Grant | Miss:
     return Grant(token, when(expires_at))
 
 
+def share_acquired(dialect: str, rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
+    """The outcome of ``statements.share_acquire`` (and, on SQLite, of ``share_holder`` after a
+    miss), and on a grant the slots it left free (None: no limit binds; <= 0: the semaphore is full)."""
+    if dialect == "postgresql":
+        granted, token, expires_at, wait, free = rows[0]
+        if not granted:
+            return Miss(wait), None
+    else:
+        if not rows:
+            return Miss(holder[0][0] if holder else None), None
+        token, expires_at, free = rows[0]
+    return Grant(token, when(expires_at)), free
+
+
 def enqueued(rows: Rows) -> Grant | Queued | None:
     """The outcome of ``statements.enqueue``; None: the row was just created, look again."""
     if not rows:

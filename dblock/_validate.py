@@ -82,6 +82,18 @@ def check_ttl(ttl: object) -> float:
     return number
 
 
+MAX_LIMIT = 2**31 - 1  # the holders table's lim is a 32-bit integer
+
+
+def check_limit(limit: object) -> int:
+    """A semaphore's limit: how many leases of a name may be held at once (an int, 1 or more)."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, not {limit}")
+    return limit
+
+
 def check_min_hold(value: object, what: str = "min_hold") -> float:
     """How long a lease is kept after its grant, released or not: None or 0 (no hold) up to a year.
 

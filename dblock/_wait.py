@@ -274,10 +274,11 @@ class Heartbeat:
 
 
 class _Line:
-    __slots__ = ("waiters",)
+    __slots__ = ("waiters", "full")
 
     def __init__(self) -> None:
         self.waiters: deque[threading.Event] = deque()
+        self.full = False  # a semaphore's line: its last grant here took the last free slot
 
 
 class Hotspot:
@@ -323,6 +324,19 @@ class Hotspot:
             line = self._lines.get(name)
             if line is not None and line.waiters:
                 line.waiters[0].set()
+
+    def mark_full(self, name: str, full: bool) -> None:
+        """A grant of ``name`` in this process left no free slot (``full``), or some."""
+        with self._lock:
+            line = self._lines.get(name)
+            if line is not None:
+                line.full = full
+
+    def full(self, name: str) -> bool:
+        """Whether the last grant of ``name`` in this process left no free slot."""
+        with self._lock:
+            line = self._lines.get(name)
+            return line is not None and line.full
 
     def __len__(self) -> int:
         with self._lock:

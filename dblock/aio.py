@@ -667,7 +667,10 @@ class AsyncLocker:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         await self._ensure_schema()
         rows = (await self._driver.run(self._sql.leases, {}, deadline=self._deadline())).rows
-        return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+        return [
+            LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
+            for n, o, t, a, e, r, label, sh, lim in rows
+        ]
 
     async def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; empty on SQLite)."""
@@ -683,7 +686,11 @@ class AsyncLocker:
             raise TypeError(f"force_release takes a LeaseInfo from leases(), not {type(lease).__name__}")
         check_name(lease.name)
         await self._ensure_schema()
-        ended = (await self._end({"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline())).ended
+        key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
+        if lease.shared:  # a reader's or semaphore holder's lease (migration 0007)
+            ended = bool((await self._driver.run(self._sql.share_release, key, deadline=self._deadline())).rows)
+        else:
+            ended = (await self._end(key, self._deadline())).ended
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -695,6 +702,7 @@ class AsyncLocker:
         rows = (
             await self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline())
         ).rows
+        await self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())  # ended shared leases
         return len(rows)
 
     def open_connections(self) -> int:

@@ -35,7 +35,7 @@ from ._process import describe_process
 from ._redact import display_url, redact
 from . import __version__
 from ._validate import (
-    check_identifier, check_min_hold, check_name, check_timeout, check_ttl, human_seconds, parse_duration,
+    check_identifier, check_limit, check_min_hold, check_name, check_timeout, check_ttl, human_seconds, parse_duration,
 )
 from .errors import DBLockError, LockNotAcquired, PermissionDenied
 from .lease import Lease, LeaseInfo
@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         parents=[common],
         allow_abbrev=False,
-        usage="dblock run NAME [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] -- CMD [ARGS...]",
+        usage="dblock run NAME [--shared | --limit N] [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] "
+        "-- CMD [ARGS...]",
         help="run a command while holding a lock",
         description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
         "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
@@ -151,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "on a terminal, says who holds it and when it is got")
     run.add_argument("--grace", type=_seconds(check_timeout), default=DEFAULT_GRACE,
                      help=f"if the lease is lost: time between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g}s)")
+    side = run.add_mutually_exclusive_group()
+    side.add_argument("--shared", action="store_true",
+                      help="take a read lock: any number of --shared runs at once, none with an exclusive run of NAME")
+    side.add_argument("--limit", type=_typed(check_limit, int), default=None, metavar="N",
+                      help="take one of N semaphore slots of NAME: at most N such runs at once")
     run.add_argument("--min-interval", type=_MIN_INTERVAL, default=0.0, metavar="T",
                      help="keep the lock until T after it was got, even if CMD ends sooner, so CMD started "
                      "on several machines runs once per period (default: 0, released when CMD ends)")
@@ -265,6 +271,8 @@ def _nothing_there(args: argparse.Namespace) -> bool:
 # -- dblock run ---------------------------------------------------------------------
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command: list[str] = args.cmd
+    if (args.shared or args.limit is not None) and args.min_interval:
+        parser.error("--min-interval holds the exclusive lock; it does not go with --shared or --limit")
     locker = _locker(args, parser, label=describe_process(command))
     child: list[subprocess.Popen[bytes]] = []  # set once the command runs
     pending: list[int] = []  # signals that arrived while it was being started
@@ -355,22 +363,34 @@ def _die_with(supervisor: int) -> Callable[[], None] | None:
 
 def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:
     started = time.monotonic()
+    shared = None  # the exclusive lock; else a read lock's readers or a semaphore (--shared, --limit)
+    if getattr(args, "shared", False) or getattr(args, "limit", None) is not None:
+        shared = locker.readers(args.name) if args.limit is None else locker.semaphore(args.name, args.limit)
+
+    def take(timeout: float | None) -> Lease | None:
+        if shared is not None:
+            if timeout is None:
+                return shared.try_acquire(ttl=args.ttl, renew=True, on_lost=on_lost)
+            return shared.acquire(ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost)
+        if timeout is None:
+            return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost, min_hold=args.min_interval)
+        return locker.acquire(
+            args.name, ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost, min_hold=args.min_interval
+        )
+
     if args.wait == 0 or sys.stderr.isatty():
         # One attempt; on SQLite it still waits (briefly) for another writer to finish.
-        lease = locker.try_acquire(
-            args.name, ttl=args.ttl, renew=True, on_lost=on_lost, min_hold=args.min_interval
-        )
+        lease = take(None)
         if lease is not None or args.wait == 0:
             return lease
         # On a terminal someone is watching: say why nothing happens, and when it does.
         print(f"dblock: waiting up to {human_seconds(args.wait)} for lock {args.name!r}{_holder(locker, args.name)}",
               file=sys.stderr)
     try:
-        lease = locker.acquire(
-            args.name, ttl=args.ttl, timeout=max(0.0, args.wait - (time.monotonic() - started)), renew=True,
-            on_lost=on_lost, min_hold=args.min_interval,
-        )
+        lease = take(max(0.0, args.wait - (time.monotonic() - started)))
     except LockNotAcquired:
+        return None
+    if lease is None:  # a waiting acquire returns a lease or raises; for the type checker
         return None
     if sys.stderr.isatty():
         print(f"dblock: got lock {args.name!r} after {human_seconds(time.monotonic() - started)} (token {lease.token})",
@@ -504,6 +524,8 @@ def _as_json(info: LeaseInfo, waiters: int | None) -> dict[str, Any]:
         "expires_in": round(info.remaining, 3),
         "held_for": round(_held_for(info), 3),
         "waiters": waiters,
+        "shared": info.shared,
+        "limit": info.limit,
     }
 
 
@@ -516,18 +538,24 @@ def _release(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not infos:
         print(f"dblock: {args.name!r} is not held; nothing to release", file=sys.stderr)
         return EXIT_NOT_HELD
-    (info,) = infos
-    who = f"{_shown(info.label or info.owner)} (token {info.token}, {human_seconds(info.remaining)} left)"
+    # A shared name (read lock, semaphore) may have several holders: each is broken.
+    whos = [f"{_shown(i.label or i.owner)} (token {i.token}, {human_seconds(i.remaining)} left)" for i in infos]
     if not args.yes:
-        sys.stderr.write(f"Break the lease on {info.name!r} held by {who}? [y/N] ")
+        sys.stderr.write(f"Break the lease on {args.name!r} held by {', '.join(whos)}? [y/N] ")
         sys.stderr.flush()
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):
             print("dblock: nothing released", file=sys.stderr)
             return EXIT_NOT_HELD
-    if not _locker(args, parser).force_release(info):
-        print(f"dblock: the lease on {info.name!r} ended or changed meanwhile; nothing released", file=sys.stderr)
+    released = 0
+    for info, who in zip(infos, whos):
+        if not _locker(args, parser).force_release(info):
+            print(f"dblock: the lease on {info.name!r} (token {info.token}) ended or changed meanwhile", file=sys.stderr)
+            continue
+        released += 1
+        print(f"dblock: released {info.name!r}, held by {who}", file=sys.stderr)
+    if not released:
+        print("dblock: nothing released", file=sys.stderr)
         return EXIT_NOT_HELD
-    print(f"dblock: released {info.name!r}, held by {who}", file=sys.stderr)
     return 0
 
 

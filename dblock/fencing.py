@@ -45,7 +45,7 @@ from . import metrics
 from ._plan import Plan, Probe, Run, run
 from ._validate import check_identifier, check_name, check_text, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
-from .schema import DEFAULT_TABLE, fences_table
+from .schema import DEFAULT_TABLE, SHARED_OWNER, fences_table, holders_table_name
 from .statements import SQLITE_NOW
 
 Target = Union[Connection, Session]
@@ -104,6 +104,7 @@ class LeaseRef(NamedTuple):
     token: int
     table: str
     schema: str | None
+    shared: bool = False  # a reader's or semaphore holder's lease (a row of the holders table)
 
 
 def lease_ref(lease: object, what: str) -> LeaseRef:
@@ -117,6 +118,7 @@ def lease_ref(lease: object, what: str) -> LeaseRef:
         check_token(lease.token),
         check_identifier(locker.table, "table"),
         None if locker.schema is None else check_identifier(locker.schema, "schema"),
+        bool(getattr(lease, "shared", False)),
     )
 
 
@@ -410,7 +412,11 @@ def check_plan(conn: Target, lease: LeaseRef) -> Plan[None]:
     if (yield Probe(_in_autocommit)):
         raise ValueError("check_lease needs a transaction: on an AUTOCOMMIT connection its lock would end at once")
     quote = dialect.identifier_preparer.quote
-    sql = _lease_check_sql(dialect.name, (quote(lease.schema) + "." if lease.schema else "") + quote(lease.table))
+    prefix = quote(lease.schema) + "." if lease.schema else ""
+    if lease.shared:
+        sql = _shared_check_sql(dialect.name, prefix + quote(lease.table), prefix + quote(holders_table_name(lease.table)))
+    else:
+        sql = _lease_check_sql(dialect.name, prefix + quote(lease.table))
     with _schema_hint(lease.table):
         row = (yield Run(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token})).first()
     if row is None:
@@ -435,6 +441,24 @@ def _lease_check_sql(dialect: str, t: str) -> str:
     return (
         f"UPDATE {t} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
         f" AND expires_at > {SQLITE_NOW} RETURNING token"
+    )
+
+
+def _shared_check_sql(dialect: str, t: str, h: str) -> str:
+    # A shared lease (read lock, semaphore slot): binds name, owner, token. One row: the
+    # holder's lease is live and no writer can take the name over (its acquire waits for
+    # the lock row, held FOR SHARE; SQLite: the database's write lock) until this
+    # transaction ends. Zero rows: expired, released, forgotten or taken over.
+    if dialect == "postgresql":
+        return (
+            f"SELECT x.token FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = '{SHARED_OWNER}'"
+            " WHERE x.name = :name AND x.owner = :owner AND x.token = :token"
+            " AND x.expires_at > clock_timestamp() FOR SHARE OF l"
+        )
+    return (
+        f"UPDATE {h} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
+        f" AND expires_at > {SQLITE_NOW}"
+        f" AND EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = :name AND l.owner = '{SHARED_OWNER}') RETURNING token"
     )
 
 

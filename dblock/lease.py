@@ -26,6 +26,8 @@ class LeaseInfo(NamedTuple):
 
     ``label`` says who holds the lease ("host:pid command", or the Locker's
     ``label``); None for a grant made before dblock recorded labels.
+    ``shared`` marks a reader's or semaphore holder's lease (several may
+    hold the name at once), ``limit`` the semaphore limit it was granted under.
     """
 
     name: str
@@ -35,6 +37,8 @@ class LeaseInfo(NamedTuple):
     expires_at: datetime
     remaining: float
     label: str | None = None
+    shared: bool = False  # a read lock's or semaphore's lease (False: the exclusive, write lock's)
+    limit: int | None = None  # a semaphore holder's limit (None: a reader, or an exclusive lease)
 
 
 class LeaseState:
@@ -83,6 +87,10 @@ class Lease:
     ``token`` is the fencing token: larger than every earlier grant's of the
     same name. Pass it to the resource you protect so that a write made after
     this lease was lost is refused (see the README, "Fencing tokens").
+    A shared lease (``Locker.read_lock``, ``Locker.semaphore``; ``shared`` is
+    True) has a token of its own, larger than every earlier grant of the name;
+    several shared leases hold at once, so it orders this holder after every
+    earlier writer, not against the other holders (README, "Shared locks").
 
     ``lost`` is a ``threading.Event``, set once this holder learns that the
     lease is gone without its release: renewal (``start_renewal``) found it
@@ -104,8 +112,10 @@ class Lease:
         ttl: float,
         sent_at: float,
         min_hold: float = 0.0,
+        keeper: Any = None,
     ) -> None:
-        self._keeper = locker.keeper  # the statements behind this lease's verbs
+        # The statements behind this lease's verbs: the exclusive lock's, or (``keeper``) the shared ones.
+        self._keeper = locker.keeper if keeper is None else keeper
         self.name = name
         self.owner = owner
         self.token = token
@@ -118,6 +128,11 @@ class Lease:
     def locker(self) -> Locker:
         """The Locker that granted this lease (its ``engine``, ``table`` and ``schema`` say where it lives)."""
         return self._keeper.locker
+
+    @property
+    def shared(self) -> bool:
+        """True for a read lock's or semaphore's lease; False for the exclusive (write) lock's."""
+        return bool(getattr(self._keeper, "shared", False))
 
     @property
     def expires_at(self) -> datetime:

@@ -27,7 +27,7 @@ from ._process import default_label, queue_id
 from ._process import describe_process as describe_process  # importable here as before
 from ._redact import display_url
 from ._wait import Heartbeat, Hotspot, Listener
-from ._validate import check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LockNotAcquired
 from .lease import Lease, LeaseInfo, LeaseState
 from .renew import OnLost, Renewal, Renewer
@@ -132,6 +132,9 @@ class Locker:
         # What this Locker's leases call. One renewal thread for all of them;
         # their extends go out in batches, on at most size - 1 connections.
         self.keeper = Keeper(self, max(1, min(4, max_connections - 1)))
+        # Shared leases' (read locks, semaphore slots) verbs, with a renewal of their own.
+        self.shared_keeper = SharedKeeper(self, max(1, min(2, max_connections - 1)))
+        self._shared_hot = Hotspot()  # this process's threads polling for a shared lease, per name
         self._renewer = self.keeper.renewer
         self._proc = queue_id()
         self._migrated = threading.Lock()
@@ -266,11 +269,21 @@ class Locker:
         """
         return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
 
-    def _abandon(self, name: str, owner: str, ttl: float) -> None:
-        """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
+    def _abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
+        """An attempt for ``owner`` went unanswered: end in the background whatever it granted.
+
+        ``limit`` False: an exclusive attempt; None or an int: a shared one.
+        """
+        forget = self._forget if limit is False else self._forget_shared
         self._cleanup.add(
-            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner), time.monotonic() + ttl
+            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: forget(name, owner), time.monotonic() + ttl
         )
+
+    def _forget_shared(self, name: str, owner: str) -> None:
+        """End ``owner``'s shared lease of ``name``, if an unanswered attempt granted it one."""
+        rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+        if rows:
+            self._end({"name": name, "owner": owner, "token": rows[0][0]}, self._deadline(), shared=True)
 
     def _forget(self, name: str, owner: str) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
@@ -305,19 +318,42 @@ class Locker:
             sqlstate=outage.sqlstate,
         )
 
-    def _wait_in_line(self, name: str, owner: str, ttl: float, hold: float, timeout: float, deadline: float) -> Lease:
-        """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO)."""
-        me = self._hot.join(name)
+    def _wait_in_line(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        hold: float,
+        timeout: float,
+        deadline: float,
+        limit: int | None | bool = False,
+    ) -> Lease:
+        """Poll with backoff; this process's threads waiting for ``name`` take turns (FIFO).
+
+        ``limit`` False: for the exclusive lock; None (a reader) or an int (a
+        semaphore): for a shared lease (``hold`` 0), in a local line of its own.
+        """
+        hot = self._hot if limit is False else self._shared_hot
+        me = hot.join(name)
+        promoted = not me.is_set()  # others were ahead in this process's line
         try:
             if not me.wait(core.wait_seconds(deadline - time.monotonic())):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
+            if promoted and limit is not False and hot.full(name):
+                # The thread ahead of us was just granted the semaphore's last free slot:
+                # look after a pause, or at once when this process releases one.
+                me.clear()
+                me.wait(min(core.backoff(self.poll_min, None, random.random()), max(deadline - time.monotonic(), 0)))
             delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
             outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
             unsure = False  # an attempt went unanswered: it may have granted us the lease
             while True:
                 me.clear()  # set again by a release in this process: try at once
                 try:
-                    lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True, hold=hold)
+                    if limit is False:
+                        lease, wait = self._attempt(name, owner, ttl, self._bound(deadline), waiting=True, hold=hold)
+                    else:
+                        lease, wait = self._share_attempt(name, owner, ttl, limit, self._bound(deadline), waiting=True)
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except (Busy, OutOfTime):  # SQLite's other writer, or a busy pool, took all the time we had
                     lease, wait = None, None
@@ -328,7 +364,7 @@ class Locker:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if unsure:
-                        self._abandon(name, owner, ttl)
+                        self._abandon(name, owner, ttl, limit)
                     raise self._out_of_time(name, timeout, outage)
                 if outage is not None:
                     outage_delay = self._outage(outage, name, outage_delay, deadline)
@@ -338,7 +374,7 @@ class Locker:
                 log.debug("lock %r is held; retrying in %.3f s", name, min(pause, left))
                 me.wait(min(pause, left))
         finally:
-            self._hot.leave(name, me)
+            hot.leave(name, me)
 
     def _wait_in_queue(
         self, name: str, owner: str, ttl: float, hold: float, timeout: float, deadline: float
@@ -568,14 +604,137 @@ class Locker:
         log.debug("granted %r token=%s", name, outcome.token)
         return Attempt(Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, hold), None)
 
+    def _share_attempt(
+        self, name: str, owner: str, ttl: float, limit: int | None, deadline: float | None = None, *, waiting: bool = False
+    ) -> Attempt:
+        """One attempt at a shared lease of ``name`` (``limit`` None: a reader)."""
+        self._ensure_schema()
+        if deadline is None:
+            deadline = self._deadline()
+        sent_at = time.monotonic()
+        result = self._driver.run(
+            self._sql.share_acquire,
+            {"name": name, "owner": owner, "ttl": ttl, "label": self._label(), "limit": limit},
+            self._sql.share_holder,
+            deadline=deadline,
+            waiting=waiting,
+        )
+        outcome, free = core.share_acquired(self._sql.dialect, result.rows, result.extra)
+        if not isinstance(outcome, Grant):
+            return Attempt(None, outcome.wait)
+        self._shared_hot.mark_full(name, free is not None and free <= 0)
+        log.debug("granted %r (shared, limit %s) token=%s", name, limit, outcome.token)
+        lease = Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, keeper=self.shared_keeper)
+        return Attempt(lease, None)
+
+    # -- shared leases -----------------------------------------------------
+    def semaphore(self, name: str, limit: int) -> Shared:
+        """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
+
+        The returned object has the Locker's verbs (``try_acquire``,
+        ``acquire``, ``lock``), without the name. Each lease has
+        its own token and the usual release, extend, renewal and ``lost``.
+        Callers that disagree about ``limit`` are held to the smallest: a grant
+        is made only while fewer leases are live than the caller's limit and
+        than every live holder's, so each holder, while it holds, never sees
+        more leases of the name than its own limit. An exclusive lock (a write
+        lock) on ``name`` excludes every semaphore holder, and the other way round.
+        """
+        check_name(name)
+        return Shared(self, name, check_limit(limit))
+
+    def readers(self, name: str) -> Shared:
+        """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
+
+        The write side is the exclusive lock of the same name (``acquire``,
+        ``lock``, or ``write_lock``). A writer waiting in the fair queue
+        (PostgreSQL, ``fair=True``) holds off new readers.
+        """
+        check_name(name)
+        return Shared(self, name, None)
+
+    def read_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
+        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def write_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+    ) -> _LockContext:
+        """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
+        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def _share_try(
+        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: OnLost | None
+    ) -> Lease | None:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        owner = secrets.token_hex(16)
+        try:
+            lease, _ = self._share_attempt(name, owner, ttl, limit, self._deadline())
+        except OutOfTime:
+            raise  # nothing was sent
+        except DatabaseUnavailable:
+            self._abandon(name, owner, ttl, limit)
+            raise
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    def _share_acquire(
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: OnLost | None,
+    ) -> Lease:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        owner = secrets.token_hex(16)
+        deadline = time.monotonic() + timeout
+        if timeout <= 0:
+            try:
+                lease, _ = self._share_attempt(name, owner, ttl, limit, self._bound(deadline))
+            except OutOfTime:
+                raise
+            except DatabaseUnavailable:
+                self._abandon(name, owner, ttl, limit)
+                raise
+            if lease is None:
+                raise LockNotAcquired(name, timeout)
+        else:
+            lease = self._wait_in_line(name, owner, ttl, 0.0, timeout, deadline, limit)
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
 
-    def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0) -> core.Ended:
+    def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
         """Release the lease ``key`` (name, owner, token): ended by this call, or kept until
-        ``hold`` s after its grant if that has not passed yet (see ``statements.release_held``)."""
-        held = core.holds(hold)
-        if held:
+        ``hold`` s after its grant if that has not passed yet (see ``statements.release_held``).
+        ``shared``: a reader's or semaphore holder's lease (no hold)."""
+        held = core.holds(hold) and not shared
+        if shared:
+            result = self._driver.run(self._sql.share_release, key, deadline=deadline)
+        elif held:
             result = self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
         else:
             result = self._driver.run(self._sql.release, key, deadline=deadline)
@@ -584,7 +743,8 @@ class Locker:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
             # (A hold the first try set is set again by the retry itself.)
-            return core.ended(self._driver.run(self._sql.released, key, deadline=deadline).rows, held=False)
+            released = self._sql.share_released if shared else self._sql.released
+            return core.ended(self._driver.run(released, key, deadline=deadline).rows, held=False)
         return core.ended(rows, held)
 
     # -- operators ---------------------------------------------------------
@@ -592,7 +752,10 @@ class Locker:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
         rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
-        return [LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label) for n, o, t, a, e, r, label in rows]
+        return [
+            LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
+            for n, o, t, a, e, r, label, sh, lim in rows
+        ]
 
     def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
@@ -618,7 +781,9 @@ class Locker:
             raise TypeError(f"force_release takes a LeaseInfo from Locker.leases(), not {type(lease).__name__}")
         check_name(lease.name)
         self._ensure_schema()
-        ended = self._end({"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline()).ended
+        ended = self._end(
+            {"name": lease.name, "owner": lease.owner, "token": lease.token}, self._deadline(), shared=lease.shared
+        ).ended
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -633,6 +798,8 @@ class Locker:
         rows = self._driver.run(
             self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline()
         ).rows
+        # Shared leases that ended long ago (names pruned or not): their rows go too.
+        self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())
         return len(rows)
 
     def close(self) -> None:
@@ -664,7 +831,7 @@ def make_schema(engine: Engine, table: str, schema: str | None) -> None:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire")
 
     def __init__(
         self,
@@ -675,22 +842,70 @@ class _LockContext:
         renew: bool,
         on_lost: OnLost | None,
         hold: float,
+        acquire: Callable[..., Lease] | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
         self._renew, self._on_lost, self._hold = renew, on_lost, hold
         self._lease: Lease | None = None
+        self._acquire = acquire  # a Shared's acquire (bound to its name); None: the exclusive lock's
 
     def __enter__(self) -> Lease:
-        self._lease = self._locker.acquire(
-            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
-            min_hold=self._hold,
-        )
+        if self._acquire is not None:
+            self._lease = self._acquire(ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost)
+        else:
+            self._lease = self._locker.acquire(
+                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
+                min_hold=self._hold,
+            )
         return self._lease
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.__exit__(exc_type, exc, tb)
+
+
+class Shared:
+    """Shared leases of one name: at most ``limit`` at once (None: a read lock's readers, no limit).
+
+    Every lease it grants excludes the exclusive (write) lock of the same name,
+    and has a token of its own, larger than every earlier grant of the name.
+    """
+
+    __slots__ = ("locker", "name", "limit")
+
+    def __init__(self, locker: Locker, name: str, limit: int | None) -> None:
+        self.locker, self.name, self.limit = locker, name, limit
+
+    def try_acquire(self, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None) -> Lease | None:
+        """One attempt: a Lease, or None if a writer holds the name, a writer waits in the fair queue, or it is full."""
+        return self.locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+
+    def acquire(
+        self, *, ttl: float | None = None, timeout: float | None = None, renew: bool = False, on_lost: OnLost | None = None
+    ) -> Lease:
+        """Wait up to ``timeout`` seconds (polling with backoff, never past a known expiry); LockNotAcquired after."""
+        return self.locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+
+    def lock(
+        self, *, ttl: float | None = None, timeout: float | None = None, renew: bool = False, on_lost: OnLost | None = None
+    ) -> _LockContext:
+        """``with sem.lock() as lease:`` acquires, and releases on exit (also on error)."""
+        check_renew(renew, on_lost)
+        return _LockContext(
+            self.locker,
+            self.name,
+            None if ttl is None else check_ttl(ttl),
+            None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
+            0.0,
+            acquire=self.acquire,
+        )
+
+    def __repr__(self) -> str:
+        kind = "readers" if self.limit is None else f"semaphore limit={self.limit}"
+        return f"<Shared {self.name!r} {kind}>"
 
 
 class Extended(NamedTuple):
@@ -710,6 +925,7 @@ class Keeper:
     """
 
     __slots__ = ("locker", "renewer")
+    shared = False  # the exclusive (write) lock's leases; SharedKeeper's are shared
 
     def __init__(self, locker: Locker, renew_workers: int) -> None:
         self.locker = locker
@@ -734,15 +950,16 @@ class Keeper:
         if renewal is not None and core.holds(hold):
             self.renewer.settle(renewal, deadline)
         key = {"name": name, "owner": owner, "token": token}
+        shared = self.shared
         ended: bool | None = None
         try:
-            outcome = locker._end(key, deadline, hold)
+            outcome = locker._end(key, deadline, hold, shared=shared)
             ended = outcome.ended
         except DatabaseUnavailable:
             # Unconfirmed: keep ending it in the background until it would expire.
             locker._cleanup.add(
                 f"the lease on {name!r} (token {token})",
-                lambda: locker._end(key, locker._deadline(), hold),
+                lambda: locker._end(key, locker._deadline(), hold, shared=shared),
                 time.monotonic() + state.ttl,
             )
             raise
@@ -751,6 +968,7 @@ class Keeper:
         state.held_until = outcome.held_until
         if not locker._queued and outcome.held_until is None:  # fair waiters are handed the lease by the release itself
             locker._hot.released(name)
+        locker._shared_hot.released(name)  # shared waiters always poll
         return outcome.ended
 
     def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
@@ -759,7 +977,7 @@ class Keeper:
         locker._ensure_schema()
         sent_at = time.monotonic()
         rows = locker._driver.run(
-            locker._sql.extend,
+            locker._sql.share_extend if self.shared else locker._sql.extend,
             {"name": name, "owner": owner, "token": token, "ttl": ttl},
             deadline=locker._deadline() if deadline is None else deadline,
         ).rows
@@ -785,5 +1003,13 @@ class Keeper:
         else:
             params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in batch])}
         sent_at = time.monotonic()
-        rows = locker._driver.run(locker._sql.extend_many, params, deadline=deadline, waiting=True).rows
+        sql = locker._sql.share_extend_many if self.shared else locker._sql.extend_many
+        rows = locker._driver.run(sql, params, deadline=deadline, waiting=True).rows
         return sent_at, core.extended(rows, [(lease.name, lease.token) for lease in leases])
+
+
+class SharedKeeper(Keeper):
+    """The statements behind a shared lease's verbs (read locks and semaphore slots; internal)."""
+
+    __slots__ = ()
+    shared = True

@@ -47,6 +47,8 @@ from .schema import (
     fences_table,
     fences_table_name,
     locks_table,
+    holders_table,
+    holders_table_name,
     procs_table,
     procs_table_name,
     token_index_name,
@@ -99,7 +101,10 @@ def exclude_dblock(
     hidden = {
         n
         for t in names
-        for n in (t, fences_table_name(t), version_table_name(t), waiters_table_name(t), procs_table_name(t))
+        for n in (
+            t, fences_table_name(t), version_table_name(t), waiters_table_name(t), procs_table_name(t),
+            holders_table_name(t),
+        )
     }
 
     def include(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
@@ -543,7 +548,7 @@ def _versions(conn: Connection, insp: Inspector, name: str, schema: str | None) 
 def _has_head_objects(insp: Inspector, table: str, schema: str | None) -> bool:
     """Whether every object of dblock's head is there: dblock.schema declares them (the drift test
     in tests/test_migrations.py checks that the migrations make exactly those)."""
-    declared_tables = [locks_table(table, schema), fences_table(table, schema)]
+    declared_tables = [locks_table(table, schema), fences_table(table, schema), holders_table(table, schema)]
     if insp.dialect.name == "postgresql":  # the fair queue (SQLite's waiters poll)
         declared_tables += [waiters_table(table, schema), procs_table(table, schema)]
     for declared in declared_tables:

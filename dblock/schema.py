@@ -135,6 +135,46 @@ def procs_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
     )
 
 
+# The owner a name's lock row shows while shared leases (read locks, semaphore slots) hold it.
+# Never a real owner (those are 32 hex digits), so no exclusive release or extend matches it.
+SHARED_OWNER = "*shared"
+
+
+def holders_table_name(table: str) -> str:
+    return f"{table}_holders"
+
+
+def shared_function_names(table: str) -> tuple[str, str, str]:
+    """PostgreSQL's shared-lease functions for lock table ``table``: (acquire, release, extend)."""
+    return f"{table}_share_acquire", f"{table}_share_release", f"{table}_share_extend"
+
+
+def holders_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
+    """Shared leases (migration 0007): one row per read lock or semaphore slot held.
+
+    ``lim`` is the limit the holder was granted under (NULL: a reader, no limit).
+    While any of a name's holders is live, the name's row in the lock table has
+    owner ``SHARED_OWNER``, the newest shared grant's token and an ``expires_at``
+    no earlier than every live holder's: an exclusive (write) acquire sees the
+    name held and waits, with no change to its statement. Every change to a
+    name's holders happens under that row's lock.
+    """
+    md = metadata if metadata is not None else MetaData()
+    return Table(
+        holders_table_name(table),
+        md,
+        Column("name", String(255), nullable=False),
+        Column("owner", String(OWNER_LENGTH), nullable=False),
+        Column("token", BigInteger, nullable=False),
+        Column("acquired_at", Timestamp, nullable=False),
+        Column("expires_at", Timestamp, nullable=False),
+        Column("label", String(LABEL_LENGTH), nullable=True),
+        Column("lim", Integer, nullable=True),
+        PrimaryKeyConstraint("name", "owner"),
+        schema=schema,
+    )
+
+
 def fences_table_name(table: str) -> str:
     """The fences table that goes with lock table ``table`` (``fences`` for ``locks``)."""
     return "fences" if table == DEFAULT_TABLE else f"{table}_fences"

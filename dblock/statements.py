@@ -7,11 +7,19 @@ dialect. Every write is a compare-and-swap on (name, owner, token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy.engine import Dialect
 
-from .schema import procs_table_name, queue_function_names, token_sequence_name, waiters_table_name
+from .schema import (
+    SHARED_OWNER,
+    holders_table_name,
+    procs_table_name,
+    queue_function_names,
+    shared_function_names,
+    token_sequence_name,
+    waiters_table_name,
+)
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,15 @@ class Statements:
     beat: str | None = None  # PostgreSQL only: this process's waiters are alive
     owned: str | None = None  # SQLite only: the token owner holds (PostgreSQL uses cancel)
     waiters: str | None = None  # PostgreSQL only: how many wait in each name's fair queue
+    # Shared leases (read locks and semaphore slots, migration 0007): one statement per verb.
+    share_acquire: str = ""
+    share_release: str = ""
+    share_released: str = ""
+    share_extend: str = ""
+    share_extend_many: str = ""
+    share_owned: str = ""  # the token owner's shared lease has (clean-up after a lost reply)
+    share_prune: str = ""  # after prune: forget shared leases that ended long ago
+    share_holder: str | None = None  # SQLite only: how long a missed shared acquire should wait
 
 
 def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
@@ -40,12 +57,16 @@ def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
     if dialect.name == "postgresql":
         prefix = quote(schema) + "." if schema else ""
         enqueue, handoff, cancel = (prefix + quote(n) for n in queue_function_names(table))
-        return _postgresql(
+        exclusive = _postgresql(
             qualified, prefix + quote(token_sequence_name(table)), prefix + quote(procs_table_name(table)),
             enqueue, handoff, cancel, prefix + quote(waiters_table_name(table)),
         )
+        shared = _postgresql_shared(
+            qualified, prefix + quote(holders_table_name(table)), *(prefix + quote(n) for n in shared_function_names(table))
+        )
+        return replace(exclusive, **shared)
     if dialect.name == "sqlite":
-        return _sqlite(qualified)
+        return replace(_sqlite(qualified), **_sqlite_shared(qualified, quote(holders_table_name(table))))
     raise ValueError(f"dblock has no statements for the {dialect.name} dialect")
 
 
@@ -331,4 +352,150 @@ RETURNING name"""
     owned = f"SELECT token FROM {t} WHERE name = :name AND owner = :owner"
     return Statements(
         "sqlite", acquire, holder, release, release_held, released, extend, extend_many, leases, prune, None, owned=owned
+    )
+
+
+# -- shared leases (read locks and semaphores, migration 0007) --------------------------
+# A shared lease is a row of the holders table: (name, owner) with its own token
+# and expiry, and lim, the limit it was granted under (NULL for a reader). While
+# any is live the name's row in the lock table shows owner SHARED_OWNER, the
+# newest shared grant's token and an expiry no earlier than every live
+# holder's, so the exclusive statements above (a write lock is the exclusive
+# lock) see the name held until the last reader leaves or runs out. Every
+# change to a name's holders happens under that row's lock (PostgreSQL: the
+# share functions lock it first; SQLite: one writer at a time).
+_SHARED = f"'{SHARED_OWNER}'"
+
+
+def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_fn: str) -> dict[str, str]:
+    # share_acquire
+    # binds: name, owner, ttl, label, limit (NULL: a reader, no limit of its own)
+    # returns one row (granted, token, expires_at, wait, free):
+    #   granted: a fresh token drawn after the name's row lock (G2: larger than
+    #     every earlier grant of the name, shared or exclusive) and the database
+    #     expiry; owner already holding it (a retry, G6) keeps its token.
+    #   not granted: a writer holds the name (wait: seconds until its lease
+    #     ends), a live writer waits in the fair queue (wait NULL: readers let
+    #     it go first), or as many live holders as the smallest limit of the
+    #     caller and of every live holder (wait: until the first of them ends).
+    #   free: on a grant, the slots it left (the smallest live limit less the
+    #     live holders; NULL when no limit binds), so a waiter next in line
+    #     knows whether to look at once. NULL on a miss.
+    # A miss behind a writer reads only; other misses lock the row.
+    share_acquire = (
+        f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int)"
+    )
+    # share_release
+    # binds: name, owner, token
+    # returns one row (token, notified) when this call ended the shared lease;
+    #   the last holder out hands the name to the first live writer in the fair
+    #   queue (NOTIFY), or frees it. Zero rows: already released, or the lease
+    #   ran out and was forgotten or taken over (G3).
+    share_release = f"SELECT * FROM {release_fn}(%(name)s, %(owner)s, %(token)s::bigint)"
+    # share_released (after a release whose reply was lost)
+    # binds: name, owner, token. One row: the shared lease is gone; zero rows: it is still there.
+    share_released = f"""
+SELECT %(token)s::bigint WHERE NOT EXISTS (
+    SELECT FROM {h} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s::bigint)"""
+    # share_extend
+    # binds: name, owner, token, ttl
+    # returns one row (expires_at): now + ttl by the database clock, or the
+    #   current expiry if later. Zero rows: released, or it ran out and another
+    #   grant of the name came since (which forgets it, or a writer took over).
+    share_extend = f"SELECT * FROM {extend_fn}(%(name)s, %(owner)s, %(token)s::bigint, %(ttl)s::float8)"
+    # share_extend_many: extend_many's contract, for shared leases.
+    share_extend_many = f"""
+SELECT b.name, b.token, e.expires_at
+FROM unnest(%(names)s::text[], %(owners)s::text[], %(tokens)s::bigint[], %(ttls)s::float8[])
+    AS b(name, owner, token, ttl)
+CROSS JOIN LATERAL {extend_fn}(b.name, b.owner, b.token, b.ttl) AS e"""
+    return dict(
+        share_acquire=share_acquire, share_release=share_release, share_released=share_released,
+        share_extend=share_extend, share_extend_many=share_extend_many, leases=_leases(t, h, "now()"),
+        # share_prune: binds age (seconds); deletes the holders whose lease ended more than age
+        #   ago (nothing live, and nothing an extend may still revive for long); returns a row each.
+        share_prune=f"DELETE FROM {h} WHERE expires_at < now() - %(age)s * interval '1 second' RETURNING name",
+        # share_owned: binds name, owner; one row (token) when owner holds a shared lease of name.
+        share_owned=f"SELECT token FROM {h} WHERE name = %(name)s AND owner = %(owner)s",
+    )
+
+
+def _leases(t: str, h: str, now: str) -> str:
+    # leases (both dialects; replaces the exclusive-only listing)
+    # binds: none
+    # returns a row per unexpired lease, exclusive or shared: name, owner, token,
+    #   acquired_at, expires_at, remaining (seconds, database clock), label,
+    #   shared (false: exclusive/write), lim (a semaphore holder's limit; NULL
+    #   for readers and exclusive leases). Zero rows: nothing held.
+    remaining = (
+        f"EXTRACT(EPOCH FROM {{0}}.expires_at - {now})::float8" if now == "now()" else f"{{0}}.expires_at - {now}"
+    )
+    false, true = ("false", "true") if now == "now()" else ("0", "1")
+    return f"""
+SELECT l.name, l.owner, l.token, l.acquired_at, l.expires_at, {remaining.format("l")}, l.label, {false}, NULL
+FROM {t} AS l WHERE l.owner IS NOT NULL AND l.owner <> {_SHARED} AND l.expires_at > {now}
+UNION ALL
+SELECT x.name, x.owner, x.token, x.acquired_at, x.expires_at, {remaining.format("x")}, x.label, {true}, x.lim
+FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = {_SHARED}
+WHERE x.expires_at > {now}
+ORDER BY 1, 3"""
+
+
+def _sqlite_shared(t: str, h: str) -> dict[str, str]:
+    # share_acquire
+    # binds: name, owner, ttl, label, limit
+    # returns one row (token, expires_at, free) when granted; zero rows when not
+    #   (then share_holder tells how long to wait). The same grant rule as
+    #   PostgreSQL's, less the fair queue (SQLite's writers poll): no live
+    #   writer, and fewer live holders than the caller's limit and every live
+    #   holder's. The token is max(token) + 1 over the lock table, inside
+    #   SQLite's single-writer transaction; the grant trigger (migration 0007)
+    #   writes it into the name's row, so the next grant, of any kind, draws above it (G2).
+    #   Not a retry-safe upsert: a second attempt with the same owner is a miss.
+    live = f"(SELECT count(*) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})"
+    share_acquire = f"""
+INSERT INTO {h} (name, owner, token, acquired_at, expires_at, label, lim)
+SELECT :name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {SQLITE_NOW}, {_EXPIRES}, :label, :limit
+WHERE NOT EXISTS (
+    SELECT 1 FROM {t} WHERE name = :name AND owner IS NOT NULL AND owner <> {_SHARED} AND expires_at > {SQLITE_NOW})
+  AND (:limit IS NULL OR {live} < :limit)
+  AND NOT EXISTS (SELECT 1 FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW} AND lim <= {live})
+ON CONFLICT (name, owner) DO NOTHING
+RETURNING token, expires_at,
+    (SELECT min(lim) - count(*) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})"""
+    # share_holder
+    # binds: name. One row (wait): seconds until a live writer's lease ends, or
+    #   else until the first live holder's ends; NULL when nothing holds the name.
+    share_holder = f"""
+SELECT coalesce(
+    (SELECT expires_at FROM {t} WHERE name = :name AND owner <> {_SHARED} AND expires_at > {SQLITE_NOW}),
+    (SELECT min(expires_at) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})) - {SQLITE_NOW}"""
+    # share_release, share_released, share_extend, share_extend_many: PostgreSQL's contracts
+    # above (share_released: one row when the lease is gone); a release hands nothing over.
+    share_release = f"""
+DELETE FROM {h} WHERE name = :name AND owner = :owner AND token = :token
+  AND EXISTS (SELECT 1 FROM {t} WHERE name = :name AND owner = {_SHARED})
+RETURNING token"""
+    share_released = f"""
+SELECT :token WHERE NOT EXISTS (SELECT 1 FROM {h} WHERE name = :name AND owner = :owner AND token = :token)"""
+    share_extend = f"""
+UPDATE {h} SET expires_at = max(expires_at, {_EXPIRES})
+WHERE name = :name AND owner = :owner AND token = :token
+  AND EXISTS (SELECT 1 FROM {t} WHERE name = :name AND owner = {_SHARED})
+RETURNING expires_at"""
+    share_extend_many = f"""
+UPDATE {h} SET expires_at = max(expires_at, {SQLITE_NOW} + b.ttl + 0.002)
+FROM (
+    SELECT json_extract(value, '$[0]') AS b_name, json_extract(value, '$[1]') AS b_owner,
+           json_extract(value, '$[2]') AS b_token, json_extract(value, '$[3]') AS ttl
+    FROM json_each(:batch)
+) AS b
+WHERE name = b.b_name AND owner = b.b_owner AND token = b.b_token
+  AND EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = b.b_name AND l.owner = {_SHARED})
+RETURNING name, token, expires_at"""
+    return dict(
+        share_acquire=share_acquire, share_release=share_release, share_released=share_released,
+        share_extend=share_extend, share_extend_many=share_extend_many, leases=_leases(t, h, SQLITE_NOW),
+        share_holder=share_holder, share_owned=f"SELECT token FROM {h} WHERE name = :name AND owner = :owner",
+        share_prune=f"DELETE FROM {h} WHERE expires_at < {SQLITE_NOW} - :age RETURNING name",
     )

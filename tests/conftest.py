@@ -131,7 +131,7 @@ class Db:
             locker.close()
         if self.backend == "postgresql":
             self.query(
-                f"DROP TABLE IF EXISTS {self.table}_audit, {self.table}, {self.table}_fences, "
+                f"DROP TABLE IF EXISTS {self.table}_audit, {self.table}, {self.table}_fences, {self.table}_holders, "
                 f"alembic_version_dblock_{self.table} CASCADE"
             )
             self.query(f"DROP SEQUENCE IF EXISTS {self.table}_token_seq")

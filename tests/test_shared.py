@@ -1,0 +1,606 @@
+"""Shared leases (issue 16): read/write locks and counting semaphores, on PostgreSQL and SQLite.
+
+The race at the top is audited by the database itself (triggers on the lock and
+holders tables record every grant, extend and release with the database's
+clock): never a writer together with any other holder, never more holders than
+any live holder's limit, every grant's token above every earlier grant's. A
+mutant that ignores the limit is shown to fail the same checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dblock import LeaseLost, Locker, LockNotAcquired
+
+from .conftest import Db
+from .workers import run_together
+
+HERE = Path(__file__).resolve().parent
+SHARED = "'*shared'"
+
+
+# -- the audit: every lease's life by the database's clock --------------------------
+def install_audit(db: Db) -> None:
+    t, h = db.table, f"{db.table}_holders"
+    if db.backend == "postgresql":
+        db.query(
+            f"CREATE TABLE {t}_audit (seq bigserial PRIMARY KEY, kind text, token bigint, at float8, expires float8,"
+            " lim int)"
+        )
+        ep = "extract(epoch FROM {})::float8"
+        now = ep.format("clock_timestamp()")
+        db.query(
+            f"""CREATE FUNCTION {t}_audit_h() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              IF TG_OP = 'INSERT' THEN
+                INSERT INTO {t}_audit (kind, token, at, expires, lim)
+                VALUES ('gs', NEW.token, {now}, {ep.format("NEW.expires_at")}, NEW.lim);
+              ELSIF TG_OP = 'UPDATE' THEN
+                INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('xs', NEW.token, {now}, {ep.format("NEW.expires_at")});
+              ELSE
+                INSERT INTO {t}_audit (kind, token, at) VALUES ('ds', OLD.token, {now});
+              END IF;
+              RETURN NULL;
+            END $$"""
+        )
+        db.query(f"CREATE TRIGGER {t}_audit_h AFTER INSERT OR UPDATE OR DELETE ON {h} FOR EACH ROW EXECUTE FUNCTION {t}_audit_h()")
+        db.query(
+            f"""CREATE FUNCTION {t}_audit_l() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              -- A writer's lease ends when the row changes hands (released, handed over, taken over).
+              IF TG_OP = 'UPDATE' AND OLD.owner IS NOT NULL AND OLD.owner <> {SHARED}
+                 AND (OLD.token <> NEW.token OR NEW.owner IS DISTINCT FROM OLD.owner) THEN
+                INSERT INTO {t}_audit (kind, token, at) VALUES ('dw', OLD.token, {now});
+              END IF;
+              IF NEW.owner IS NOT NULL AND NEW.owner <> {SHARED} THEN
+                IF TG_OP = 'INSERT' OR OLD.token <> NEW.token THEN
+                  INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('gw', NEW.token, {now}, {ep.format("NEW.expires_at")});
+                ELSIF NEW.expires_at IS DISTINCT FROM OLD.expires_at THEN
+                  INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('xw', NEW.token, {now}, {ep.format("NEW.expires_at")});
+                END IF;
+              END IF;
+              RETURN NULL;
+            END $$"""
+        )
+        db.query(f"CREATE TRIGGER {t}_audit_l AFTER INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION {t}_audit_l()")
+        return
+    now = "((julianday('now') - 2440587.5) * 86400.0)"
+    db.query(
+        f"CREATE TABLE {t}_audit (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT, token INTEGER, at REAL,"
+        " expires REAL, lim INTEGER)"
+    )
+    for sql in (
+        f"CREATE TRIGGER {t}_a1 AFTER INSERT ON {h} BEGIN INSERT INTO {t}_audit (kind, token, at, expires, lim)"
+        f" VALUES ('gs', NEW.token, {now}, NEW.expires_at, NEW.lim); END",
+        f"CREATE TRIGGER {t}_a2 AFTER UPDATE ON {h} BEGIN INSERT INTO {t}_audit (kind, token, at, expires)"
+        f" VALUES ('xs', NEW.token, {now}, NEW.expires_at); END",
+        f"CREATE TRIGGER {t}_a3 AFTER DELETE ON {h} BEGIN INSERT INTO {t}_audit (kind, token, at)"
+        f" VALUES ('ds', OLD.token, {now}); END",
+        f"CREATE TRIGGER {t}_a4 AFTER INSERT ON {t} WHEN NEW.owner IS NOT NULL AND NEW.owner <> {SHARED}"
+        f" BEGIN INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('gw', NEW.token, {now}, NEW.expires_at); END",
+        f"CREATE TRIGGER {t}_a5 AFTER UPDATE ON {t} WHEN NEW.owner IS NOT NULL AND NEW.owner <> {SHARED}"
+        f" AND NEW.token <> OLD.token"
+        f" BEGIN INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('gw', NEW.token, {now}, NEW.expires_at); END",
+        f"CREATE TRIGGER {t}_a6 AFTER UPDATE ON {t} WHEN NEW.owner IS NOT NULL AND NEW.owner <> {SHARED}"
+        f" AND NEW.token = OLD.token AND NEW.expires_at IS NOT OLD.expires_at"
+        f" BEGIN INSERT INTO {t}_audit (kind, token, at, expires) VALUES ('xw', NEW.token, {now}, NEW.expires_at); END",
+        f"CREATE TRIGGER {t}_a7 AFTER UPDATE ON {t} WHEN OLD.owner IS NOT NULL AND OLD.owner <> {SHARED}"
+        f" AND (NEW.token <> OLD.token OR NEW.owner IS NOT OLD.owner)"
+        f" BEGIN INSERT INTO {t}_audit (kind, token, at) VALUES ('dw', OLD.token, {now}); END",
+    ):
+        db.query(sql)
+
+
+Life = tuple[float, float, str, "int | None", int]  # start, end, kind ("w" or "s"), limit, token
+
+
+def audited(db: Db) -> tuple[list[Life], list[int]]:
+    """Every lease's [grant, end) by the database's clock, and the grants' tokens in grant order."""
+    rows = db.query(f"SELECT kind, token, at, expires, lim FROM {db.table}_audit ORDER BY seq")
+    lives: dict[int, list] = {}
+    order: list[int] = []
+    for kind, token, at, expires, lim in rows:
+        if kind in ("gw", "gs"):
+            assert token not in lives, f"token {token} granted twice"
+            lives[token] = [at, expires, math.inf, kind[1], lim]
+            order.append(token)
+        elif kind in ("xw", "xs"):
+            lives[token][1] = max(lives[token][1], expires)
+        else:  # a release (or, for a holder, forgetting it after it ran out)
+            lives[token][2] = min(lives[token][2], at)
+    return [(s, min(e, d), k, lim, tok) for tok, (s, e, d, k, lim) in lives.items()], order
+
+
+def violations(lives: list[Life]) -> list[str]:
+    """Moments where a writer held with anyone else, or more shared leases held than a holder's limit."""
+    events = sorted(
+        [(e, 0, i) for i, (s, e, *_) in enumerate(lives) if e > s] + [(s, 1, i) for i, (s, e, *_) in enumerate(lives) if e > s]
+    )  # at one instant, ends before starts: [start, end) intervals
+    active: set[int] = set()
+    found: list[str] = []
+    for _, starts, i in events:
+        if not starts:
+            active.discard(i)
+            continue
+        new = lives[i]
+        if active and (new[2] == "w" or any(lives[j][2] == "w" for j in active)):
+            found.append(f"token {new[4]} ({new[2]}) held together with {sorted(lives[j][4] for j in active)}")
+        else:
+            limits = [lives[j][3] for j in (*active, i) if lives[j][3] is not None]
+            if limits and len(active) + 1 > min(limits):
+                found.append(f"token {new[4]}: {len(active) + 1} shared leases held at once, a limit is {min(limits)}")
+        active.add(i)
+    return found
+
+
+def race(db: Db, spec: dict, ttl: float = 0.005, duration: str = "2", processes: int = 3) -> list[list]:
+    command = [
+        sys.executable, str(HERE / "shared_race_worker.py"), db.url, db.table, "hot", repr(ttl), "4", duration,
+        json.dumps(spec),
+    ]
+    return [g for out in run_together([command] * processes) for g in json.loads(out)]
+
+
+def check_race(db: Db, grants: list[list]) -> None:
+    lives, order = audited(db)
+    assert len(grants) >= 100, f"only {len(grants)} grants: the race did not race"
+    assert {g[1] for g in grants} <= set(order), "a client got a token the database never granted"
+    assert len({g[1] for g in grants}) == len(grants), "a token was handed out twice"
+    # G2: every grant's token is above every earlier grant's (readers' and writers' alike).
+    assert [(a, b) for a, b in zip(order, order[1:]) if b <= a] == [], "a grant's token was below an earlier grant's"
+    # G1 for shared leases, by the database's clock.
+    assert violations(lives) == []
+    # ...and as the clients trusted their leases (G5): [received, trusted_until).
+    trusted = [(r, u, kind, limit, token) for kind, token, r, u, limit in grants]
+    assert violations(trusted) == []
+
+
+def warm_ttl(db: Db) -> float:
+    """A waiting grant takes a few commits: scale the TTL to this machine's commit time."""
+    probe = db.locker()
+    started = time.monotonic()
+    for _ in range(5):
+        probe.try_acquire("warm").release()
+    return min(0.5, max(0.01, 10 * (time.monotonic() - started) / 5))
+
+
+SCENARIOS = {
+    "readers and writers": {"limits": [None], "writers": 0.2},
+    "semaphore of 2": {"limits": [2]},
+    "limits 2 and 3, readers, writers": {"limits": [2, 3, None], "writers": 0.1},
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("wait", [False, True], ids=["try", "wait"])
+def test_race_of_readers_writers_and_semaphore_holders(db: Db, scenario: str, wait: bool) -> None:
+    """3 processes x 4 threads take one name with tiny TTLs (try: 5 ms; wait: blocking acquires,
+    writers in PostgreSQL's fair queue), holding past the TTL half the time."""
+    install_audit(db)
+    ttl = warm_ttl(db) if wait else 0.005
+    check_race(db, race(db, {**SCENARIOS[scenario], "wait": wait}, ttl=ttl))
+
+
+@pytest.mark.parametrize(
+    "broken, spec, error",
+    [
+        ("limit", {"limits": [2]}, "shared leases held at once"),
+        ("writer", {"limits": [None], "writers": 0.3}, "held together with"),
+    ],
+)
+def test_race_catches_a_mutant(db: Db, broken: str, spec: dict, error: str) -> None:
+    """The same race and checks against a mutant: a shared acquire sent without the caller's
+    limit, or a write acquire that ignores shared holders. The checks must fail."""
+    install_audit(db)
+    grants = race(db, {**spec, "broken": broken}, ttl=0.02)
+    with pytest.raises(AssertionError, match=error):
+        check_race(db, grants)
+
+
+def test_violations_sees_a_writer_with_a_reader() -> None:
+    """The checker itself: a writer overlapping a reader, and a third holder of a limit of 2."""
+    assert violations([(0.0, 2.0, "s", None, 1), (1.0, 3.0, "w", None, 2)])
+    assert violations([(0.0, 2.0, "w", None, 1), (1.0, 3.0, "s", None, 2)])
+    assert violations([(0, 5, "s", 2, 1), (1, 5, "s", 2, 2), (2, 5, "s", None, 3)])
+    assert not violations([(0, 1, "w", None, 1), (1, 2, "s", 2, 2), (1, 2, "s", 2, 3), (2, 3, "w", None, 4)])
+
+
+# -- the grant rule --------------------------------------------------------------------
+def test_readers_share_and_exclude_the_writer(locker: Locker) -> None:
+    r1 = locker.readers("doc").try_acquire(ttl=30)
+    r2 = locker.readers("doc").try_acquire(ttl=30)
+    assert r1 is not None and r2 is not None and r1.shared and r2.shared
+    assert locker.try_acquire("doc", ttl=30) is None  # the write lock is the exclusive lock
+    r1.release()
+    assert locker.try_acquire("doc", ttl=30) is None  # one reader left
+    r2.release()
+    w = locker.try_acquire("doc", ttl=30)
+    assert w is not None and not w.shared
+    assert locker.readers("doc").try_acquire(ttl=30) is None
+    assert locker.semaphore("doc", 5).try_acquire(ttl=30) is None
+    w.release()
+    assert locker.readers("doc").try_acquire(ttl=30) is not None
+
+
+def test_semaphore_grants_at_most_its_limit(locker: Locker) -> None:
+    sem = locker.semaphore("pool", 3)
+    held = [sem.try_acquire(ttl=30) for _ in range(3)]
+    assert all(held) and len({lease.token for lease in held if lease}) == 3
+    assert sem.try_acquire(ttl=30) is None
+    assert held[0] is not None and held[0].release()
+    assert sem.try_acquire(ttl=30) is not None
+    assert sem.try_acquire(ttl=30) is None
+
+
+def test_disagreeing_limits_hold_to_the_smallest_live_one(locker: Locker) -> None:
+    """A grant needs fewer live leases than its own limit and every live holder's."""
+    small = locker.semaphore("mix", 2).try_acquire(ttl=30)
+    assert small is not None
+    big = locker.semaphore("mix", 5)
+    assert big.try_acquire(ttl=30) is not None  # 1 < 2 and 1 < 5
+    assert big.try_acquire(ttl=30) is None  # 2 live: the limit-2 holder would see 3
+    assert locker.readers("mix").try_acquire(ttl=30) is None  # a reader too respects the live limit
+    small.release()
+    assert big.try_acquire(ttl=30) is not None  # the limit-2 holder left: 5 binds now
+    assert locker.semaphore("mix", 2).try_acquire(ttl=30) is None  # 2 live, its own limit is 2
+    assert locker.semaphore("mix", 3).try_acquire(ttl=30) is not None
+
+
+def test_an_expired_writer_is_taken_over_by_readers_and_its_verbs_fail(locker: Locker) -> None:
+    w = locker.try_acquire("exp", ttl=0.05)
+    assert w is not None
+    time.sleep(0.1)
+    r = locker.readers("exp").try_acquire(ttl=30)
+    assert r is not None and r.token > w.token
+    with pytest.raises(LeaseLost):
+        w.extend(30)
+    assert not w.release()
+    assert locker.try_acquire("exp", ttl=30) is None  # the reader still holds
+
+
+def test_a_stale_holder_changes_nothing(db: Db, locker: Locker) -> None:
+    """G3: a semaphore holder that ran out is forgotten by the next grant: its extend and release change nothing."""
+    sem = locker.semaphore("st", 1)
+    stale = sem.try_acquire(ttl=0.05)
+    assert stale is not None
+    time.sleep(0.1)
+    fresh = sem.try_acquire(ttl=30)
+    assert fresh is not None and fresh.token > stale.token
+    before = db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner")
+    with pytest.raises(LeaseLost):
+        stale.extend(30)
+    assert stale.release() is False
+    assert db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner") == before
+    assert sem.try_acquire(ttl=30) is None  # the stale one did not come back
+
+
+def test_a_stale_reader_after_a_writer_changes_nothing(locker: Locker) -> None:
+    r = locker.readers("sw").try_acquire(ttl=0.05)
+    assert r is not None
+    time.sleep(0.1)
+    w = locker.try_acquire("sw", ttl=30)
+    assert w is not None and w.token > r.token
+    with pytest.raises(LeaseLost):
+        r.extend(30)
+    assert r.release() is False
+    assert w.extend(30) is None  # the writer is untouched
+
+
+def test_extend_after_expiry_works_if_nobody_was_granted_since(locker: Locker) -> None:
+    lease = locker.semaphore("ext", 2).try_acquire(ttl=0.05)
+    assert lease is not None
+    time.sleep(0.1)
+    lease.extend(30)
+    assert lease.remaining() > 20
+    assert locker.try_acquire("ext", ttl=30) is None
+
+
+def test_writer_tokens_exceed_every_earlier_grant(locker: Locker) -> None:
+    tokens = []
+    for _ in range(3):
+        readers = [locker.readers("tok").try_acquire(ttl=30) for _ in range(3)]
+        tokens += [r.token for r in readers if r]
+        for r in readers:
+            assert r is not None and r.release()
+        w = locker.try_acquire("tok", ttl=30)
+        assert w is not None and w.token > max(tokens)
+        tokens.append(w.token)
+        w.release()
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_leases_lists_every_holder(locker: Locker) -> None:
+    a = locker.semaphore("ls", 2).try_acquire(ttl=30)
+    b = locker.semaphore("ls", 2).try_acquire(ttl=30)
+    w = locker.try_acquire("other", ttl=30)
+    assert a and b and w
+    infos = locker.leases()
+    assert [(i.name, i.token, i.shared, i.limit) for i in infos] == [
+        ("ls", a.token, True, 2), ("ls", b.token, True, 2), ("other", w.token, False, None)
+    ]
+    assert locker.force_release(infos[0])
+    assert [i.token for i in locker.leases()] == [b.token, w.token]
+    with pytest.raises(LeaseLost):
+        a.extend()
+
+
+def test_prune_keeps_names_with_live_holders(db: Db, locker: Locker) -> None:
+    lease = locker.readers("keep").try_acquire(ttl=30)
+    assert lease is not None
+    time.sleep(0.05)
+    locker.prune(0.01)
+    assert locker.try_acquire("keep", ttl=30) is None
+    assert lease.release()
+
+
+def test_renewal_keeps_a_shared_lease(locker: Locker) -> None:
+    lease = locker.semaphore("ren", 1).try_acquire(ttl=0.3, renew=True)
+    assert lease is not None
+    time.sleep(1.0)
+    assert not lease.lost.is_set() and lease.remaining() > 0
+    assert locker.semaphore("ren", 1).try_acquire(ttl=30) is None
+    assert lease.release()
+
+
+def test_lock_context_and_waiting(locker: Locker) -> None:
+    sem = locker.semaphore("ctx", 1)
+    with sem.lock(ttl=30) as held:
+        assert held.shared
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired):
+            sem.acquire(ttl=30, timeout=0.2)
+        assert time.monotonic() - started >= 0.19
+    with locker.read_lock("ctx", ttl=30) as r:
+        assert r.shared
+    with locker.write_lock("ctx", ttl=30) as w:
+        assert not w.shared
+
+
+def test_waiting_semaphore_threads_all_get_through(locker: Locker) -> None:
+    """16 threads, a semaphore of 4, each holding 20 ms: none times out, never more than 4 at once."""
+    sem = locker.semaphore("many", 4)
+    now_holding, most, errors = [0], [0], []
+    guard = threading.Lock()
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                with sem.lock(ttl=10, timeout=20):
+                    with guard:
+                        now_holding[0] += 1
+                        most[0] = max(most[0], now_holding[0])
+                    time.sleep(0.02)
+                    with guard:
+                        now_holding[0] -= 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and most[0] == 4
+
+
+# -- waiting writers are not starved ------------------------------------------------------
+def test_a_waiting_writer_holds_off_new_readers_and_gets_the_lock(pg: Db) -> None:
+    """PostgreSQL's fair queue: a writer in line stops new readers; the last reader out hands it the lock.
+
+    poll_max=5: the writer's fallback looks are seconds apart, so getting the lock within
+    half a second of the release means the release handed it over (and notified)."""
+    locker = pg.locker(poll_max=5.0)
+    first = locker.readers("q").try_acquire(ttl=30)
+    assert first is not None
+    got: list = []
+    writer = threading.Thread(target=lambda: got.append(locker.acquire("q", ttl=30, timeout=10)))
+    writer.start()
+    deadline = time.monotonic() + 5
+    while locker.waiters().get("q") != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert locker.waiters().get("q") == 1
+    assert locker.readers("q").try_acquire(ttl=30) is None  # held off: the writer is waiting
+    started = time.monotonic()
+    assert first.release()
+    writer.join(5)
+    assert got and got[0].token > first.token
+    assert time.monotonic() - started < 0.5  # handed over by the release, not found by polling later
+    assert locker.readers("q").try_acquire(ttl=30) is None
+    got[0].release()
+    assert locker.readers("q").try_acquire(ttl=30) is not None
+
+
+def test_a_queued_writer_is_not_granted_while_a_reader_holds(pg: Db) -> None:
+    """The fair queue's functions (enqueue, its looks) see a name held by readers as held."""
+    locker = pg.locker()
+    reader = locker.readers("nq").try_acquire(ttl=1.0)
+    assert reader is not None
+    with pytest.raises(LockNotAcquired):
+        locker.acquire("nq", ttl=30, timeout=0.3)  # enqueue sees the name held by the reader
+    assert reader.release()
+
+
+# -- G7: bad input refused before any SQL ------------------------------------------------
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "2", True, None, 2**31])
+def test_bad_limits_are_refused_and_change_nothing(db: Db, limit: object) -> None:
+    locker = db.locker()
+    before = db.rows()
+    with pytest.raises((TypeError, ValueError)):
+        locker.semaphore("x", limit)  # type: ignore[arg-type]
+    assert db.rows() == before
+
+
+@pytest.mark.parametrize("bad", [{"ttl": 0}, {"ttl": -1}, {"ttl": "1"}, {"timeout": -1}])
+def test_bad_ttls_and_timeouts_are_refused_and_change_nothing(db: Db, bad: dict) -> None:
+    locker = db.locker()
+    before = db.rows()
+    for side in (locker.semaphore("x", 2), locker.readers("x")):
+        with pytest.raises((TypeError, ValueError)):
+            side.acquire(**bad)
+        if "timeout" not in bad:
+            with pytest.raises((TypeError, ValueError)):
+                side.try_acquire(**bad)
+    assert db.rows() == before
+
+
+@pytest.mark.parametrize("name", ["", "x" * 256, "a\x00b", 5])
+def test_bad_names_are_refused(db: Db, name: object) -> None:
+    locker = db.locker()
+    with pytest.raises((TypeError, ValueError)):
+        locker.semaphore(name, 2)  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError)):
+        locker.readers(name)  # type: ignore[arg-type]
+
+
+# -- what a shared lease's token fences (README, "Shared locks and semaphores") ---------------
+def test_a_readers_token_keeps_a_stale_writer_out(db: Db) -> None:
+    """A reader stamps the resource first: a writer whose lease ran out before the reader was granted can no longer write."""
+    import dblock
+    from dblock import FencedOut
+
+    locker = db.locker()
+    writer = locker.try_acquire("res", ttl=0.05)
+    assert writer is not None
+    time.sleep(0.1)
+    reader = locker.readers("res").try_acquire(ttl=30)
+    assert reader is not None and reader.token > writer.token
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, reader)  # stamp first, then read
+    with pytest.raises(FencedOut), locker.engine.begin() as conn:
+        dblock.fence(conn, writer)  # the stale writer's late write
+    reader.release()
+    fresh = locker.try_acquire("res", ttl=30)
+    assert fresh is not None
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, fresh)  # a writer granted after the readers passes
+
+
+def test_readers_tokens_do_not_order_readers_among_themselves(db: Db) -> None:
+    """Two readers hold at once: once the later one stamps, the earlier one's fenced write is refused."""
+    import dblock
+    from dblock import FencedOut
+
+    locker = db.locker()
+    first, second = locker.readers("res2").try_acquire(ttl=30), locker.readers("res2").try_acquire(ttl=30)
+    assert first is not None and second is not None and first.token < second.token
+    with locker.engine.begin() as conn:
+        dblock.fence(conn, second)
+    with pytest.raises(FencedOut), locker.engine.begin() as conn:
+        dblock.fence(conn, first)  # still a live reader, but its token is older
+
+
+def test_readme_shared_example_runs(db: Db) -> None:
+    import re
+
+    readme = (HERE.parent / "README.md").read_text()
+    url = 'Locker("postgresql+psycopg://app@db/reports")'
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if url in b]
+    exec(compile(block.replace(url, f"Locker({db.url!r}, table={db.table!r})"), "README.md", "exec"), {})
+    assert Locker(db.url, table=db.table).leases() == []
+
+
+def test_g6_a_retried_shared_acquire_returns_the_granted_lease(pg: Db) -> None:
+    """PostgreSQL: the same owner asking again (a lost reply) gets its own lease back, token kept, not a second slot."""
+    locker = pg.locker()
+    first = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
+    again = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
+    assert first is not None and again is not None and again.token == first.token
+    assert [i.owner for i in locker.leases()] == ["a" * 32]
+    assert locker.semaphore("g6", 1).try_acquire(ttl=30) is None
+
+
+def test_check_lease_and_commit_guard_take_shared_leases(db: Db) -> None:
+    """A live shared lease passes the commit-time check; one that ran out and was taken over by a writer fails it."""
+    from sqlalchemy import text
+
+    import dblock
+
+    locker = db.locker()
+    live = locker.semaphore("chk", 2).try_acquire(ttl=30)
+    stale = locker.readers("chk2").try_acquire(ttl=0.05)
+    assert live is not None and stale is not None
+    with locker.engine.connect() as conn:
+        with dblock.commit_guard(conn, live):
+            conn.execute(text("SELECT 1"))
+    time.sleep(0.1)
+    writer = locker.try_acquire("chk2", ttl=30)
+    assert writer is not None
+    with pytest.raises(LeaseLost), locker.engine.connect() as conn:
+        with dblock.commit_guard(conn, stale):
+            conn.execute(text("SELECT 1"))
+    with locker.engine.begin() as conn:
+        dblock.check_lease(conn, writer)  # the writer's own check is unchanged
+        dblock.check_lease(conn, live)
+
+
+def test_prune_forgets_shared_leases_that_ended_long_ago(db: Db, locker: Locker) -> None:
+    old = locker.readers("gone").try_acquire(ttl=0.05)
+    live = locker.readers("kept").try_acquire(ttl=30)
+    assert old is not None and live is not None
+    time.sleep(0.2)
+    locker.prune(0.1)
+    assert db.query(f"SELECT name FROM {db.table}_holders") == [("kept",)]
+    with pytest.raises(LeaseLost):
+        old.extend(30)
+    assert live.release()
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: token drawn before the row lock"])
+def test_g2_a_shared_grant_draws_its_token_after_the_row_lock(pg: Db, variant: str) -> None:
+    """A deterministic replay of DESIGN.md §3's race for a shared grant: reader A blocks on the
+    name's row lock; meanwhile grant B draws a token and commits. A's token must be above B's.
+    The broken variant (the same function with nextval() moved before the row lock) is caught."""
+    import dataclasses
+
+    import psycopg
+
+    from .conftest import libpq_dsn
+    from .conftest import wait_for as wait
+
+    locker = pg.locker()
+    locker.try_acquire("x").release()
+    t, seq = pg.table, f"{pg.table}_token_seq"
+    if variant != "dblock":
+        ((definition,),) = pg.query(f"SELECT pg_get_functiondef('{t}_share_acquire'::regproc)")
+        draw = f"    tok := nextval('{seq}');\n"
+        assert draw in definition
+        broken = definition.replace(draw, "").replace(f"{t}_share_acquire", f"{t}_share_broken")
+        broken = broken.replace("    -- Under the row's lock", draw + "    -- Under the row's lock")
+        pg.query(broken)
+        sql = locker._sql.share_acquire.replace(f"{t}_share_acquire", f"{t}_share_broken")
+        locker._sql = dataclasses.replace(locker._sql, share_acquire=sql)
+
+    blocker = psycopg.connect(libpq_dsn(pg.url))
+    blocker.execute(f"SELECT 1 FROM {t} WHERE name = 'x' FOR UPDATE")
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(locker.readers("x").try_acquire(ttl=30)))
+    thread.start()
+    watcher = psycopg.connect(libpq_dsn(pg.url), autocommit=True)
+
+    def a_is_waiting() -> bool:
+        return bool(watcher.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s", (f"%{t}_share%",)
+        ).fetchall())
+
+    wait(a_is_waiting, what="reader A to block on the row lock")
+    (b_token,) = blocker.execute(
+        f"UPDATE {t} SET owner = 'B', token = nextval('{seq}'), acquired_at = now(),"
+        " expires_at = now() - interval '1 second' WHERE name = 'x' RETURNING token"
+    ).fetchone()
+    blocker.commit()
+    thread.join(30)
+    blocker.close()
+    watcher.close()
+    assert result and result[0] is not None
+    if variant == "dblock":
+        assert result[0].token > b_token
+    else:
+        assert result[0].token < b_token, "the check above would not have caught the broken function"
