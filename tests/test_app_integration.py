@@ -37,6 +37,7 @@ from dblock import (
 from dblock.schema import (
     DEFAULT_TABLE,
     fences_table_name,
+    holders_table_name,
     procs_table_name,
     token_sequence_name,
     version_table_name,
@@ -191,6 +192,7 @@ def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> No
     assert app.versions() == {"app_0001"}  # the app's history, untouched
     assert app.versions(version_table_name(app.table)) == {DBLOCK_HEAD}
     queue_tables = [waiters_table_name(app.table), procs_table_name(app.table)] if app.schema is not None else []
+    queue_tables.append(holders_table_name(app.table))  # shared leases (0007), on both backends
     app.check_autogenerate(app.table, fences_table_name(app.table), version_table_name(app.table), *queue_tables)
     assert app.lock_once() >= 1
 
@@ -209,6 +211,7 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
     grants = readme_grants()
     for name, ours in (("app_user", role), ("locks_token_seq", token_sequence_name(table)),
                        ("locks_waiters", waiters_table_name(table)), ("locks_procs", procs_table_name(table)),
+                       ("locks_holders", holders_table_name(table)),
                        ("fences", fences_table_name(table)), ("locks", table), ("app", schema)):
         grants = re.sub(rf"\b{name}\b", ours, grants)
     admin = psycopg.connect(libpq_dsn(pg_url), autocommit=True)
