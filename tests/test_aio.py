@@ -359,13 +359,14 @@ async def test_cancellation_racing_a_hand_off_never_leaks_the_lease(db: Db, opti
 # -- faults ---------------------------------------------------------------------------
 @pytest.mark.parametrize("options", [{}, {"fair": False}], ids=["fair", "line"])
 async def test_a_silent_server_gets_a_bounded_answer(silent: SilentServer, options: dict) -> None:  # noqa: F811
-    async with AsyncLocker(silent.url, op_timeout=2, **options) as locker:
-        for call in (lambda: locker.try_acquire("x"), locker.leases, lambda: locker.acquire("x", timeout=1)):
+    async with AsyncLocker(silent.url, op_timeout=1, **options) as locker:
+        for call in (lambda: locker.try_acquire("x"), locker.leases, lambda: locker.acquire("x", timeout=0.5)):
             started = time.monotonic()
             with pytest.raises(DatabaseUnavailable) as info:
                 await call()
             took = time.monotonic() - started
-            assert took <= 2 + 2.5 + SLACK, f"a call took {took:.1f} s against a silent server"
+            # asyncio bounds a connect to its share of the time exactly (libpq: whole seconds, at least 2)
+            assert took <= 1 + 1 + SLACK, f"a call took {took:.1f} s against a silent server"
             assert "secret" not in str(info.value)
             assert pickle.loads(pickle.dumps(info.value)).args == info.value.args
 
