@@ -4,7 +4,31 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def rotation(variants: dict[str, T], r: int) -> list[tuple[str, T]]:
+    """Round ``r``'s order. Rotate who goes first: a variant's speed here depends on what ran just
+    before it (whose database process was awake, on which CPU), so no variant always follows the same one."""
+    order = list(variants.items())
+    return order[r % len(order):] + order[: r % len(order)]
+
+
+async def ainterleaved(variants: dict[str, Callable[[], Awaitable[None]]], rounds: int, calls: int) -> dict[str, float]:
+    """``interleaved`` for coroutine functions, awaited on the running event loop."""
+    for fn in variants.values():
+        for _ in range(20):
+            await fn()
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, fn in rotation(variants, r):
+            start = time.perf_counter()
+            for _ in range(calls):
+                await fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def interleaved(variants: dict[str, Callable[[], None]], rounds: int, calls: int, warmup: int = 20) -> dict[str, float]:
@@ -13,11 +37,8 @@ def interleaved(variants: dict[str, Callable[[], None]], rounds: int, calls: int
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants.items())
     for r in range(rounds):
-        # Rotate who goes first: a variant's speed here depends on what ran just before it
-        # (whose database process was awake, on which CPU), so no variant always follows the same one.
-        for name, fn in order[r % len(order):] + order[: r % len(order)]:
+        for name, fn in rotation(variants, r):
             start = time.perf_counter()
             for _ in range(calls):
                 fn()

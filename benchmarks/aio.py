@@ -32,6 +32,8 @@ from typing import Any, Awaitable, Callable
 import psycopg
 from sqlalchemy.engine import make_url
 
+from _timing import ainterleaved  # benchmarks/_timing.py
+
 from dblock import AsyncLocker, Locker
 from dblock._adriver import AsyncDriver
 from dblock._driver import Driver
@@ -53,22 +55,6 @@ def counting() -> None:
 
     Driver.run = run  # type: ignore[method-assign]
     AsyncDriver.run = arun  # type: ignore[method-assign]
-
-
-async def ainterleaved(variants: dict[str, Callable[[], Awaitable[None]]], rounds: int, calls: int) -> dict[str, float]:
-    """Median microseconds per call of each variant (async ``_timing.interleaved``)."""
-    for fn in variants.values():
-        for _ in range(20):
-            await fn()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    order = list(variants.items())
-    for r in range(rounds):
-        for name, fn in order[r % len(order):] + order[: r % len(order)]:
-            start = time.perf_counter()
-            for _ in range(calls):
-                await fn()
-            samples[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 async def uncontended(url: Any, dsn: str, table: str, pairs: int, rounds: int) -> dict[str, float]:

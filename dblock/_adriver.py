@@ -36,6 +36,8 @@ import psycopg
 from sqlalchemy.engine import Engine
 
 from ._driver import (
+    IDLE,
+    OPEN,
     SQLITE_BUSY_TIMEOUT_MS,
     Busy,
     OutOfTime,
@@ -45,6 +47,8 @@ from ._driver import (
     connect_plan,
     first_line,
     host_attempts,
+    pool_busy,
+    pool_turn,
     shutdown_socket,
     translate,
     unavailable,
@@ -138,23 +142,19 @@ class AsyncDriver:
         cond = self._bind()
         async with cond:
             while True:
-                if waiting and self._waiting_out >= max(1, self.size - 1):
-                    pass  # wait for another waiter's statement to finish
-                elif self._idle and not fresh:
+                turn = pool_turn(waiting, fresh, self._waiting_out, len(self._idle), self._open, self.size)
+                if turn == IDLE:
                     conn = self._idle.pop()
                     conn.waiting = waiting
                     self._waiting_out += waiting
                     return conn
-                elif self._open < self.size:
+                if turn == OPEN:
                     self._open += 1
                     self._waiting_out += waiting
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise OutOfTime(
-                        f"all {self.size} of this AsyncLocker's connections to {self.where} stayed busy "
-                        "until the call's deadline (see AsyncLocker(max_connections=...))"
-                    )
+                    raise pool_busy(self.size, self.where, "AsyncLocker")
                 try:
                     await asyncio.wait_for(cond.wait(), left)
                 except asyncio.TimeoutError:

@@ -147,13 +147,17 @@ class AsyncListener:
 
     async def close(self) -> None:
         """End the listener session now."""
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is closing
-                pass
+        await _stop(self._task)
+
+
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (a listener's or heartbeat's) and wait until it has ended."""
+    if task is not None and not task.done():
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is closing
+            pass
 
 
 async def _close(conn: Any) -> None:
@@ -193,12 +197,7 @@ class AsyncHeartbeat:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is closing
-                pass
+        await _stop(task)
 
 
 class AsyncHotspot:

@@ -82,6 +82,31 @@ class _Conn:
         self.waiting = False  # checked out for a waiting acquire's statement
 
 
+IDLE, OPEN, WAIT = "idle", "open", "wait"
+
+
+def pool_turn(waiting: bool, fresh: bool, waiting_out: int, idle: int, opened: int, size: int) -> str:
+    """What a checkout does now (both drivers' pools): take an ``IDLE`` connection, ``OPEN``
+    a new one, or ``WAIT`` for one to come back.
+
+    Statements of waiting acquires may hold at most ``size - 1`` connections
+    at once (one is kept for releases and the rest); ``fresh``: not an idle
+    one (a retry after a broken connection).
+    """
+    if waiting and waiting_out >= max(1, size - 1):
+        return WAIT  # wait for another waiter's statement to finish
+    if idle and not fresh:
+        return IDLE
+    return OPEN if opened < size else WAIT
+
+
+def pool_busy(size: int, where: str, owner: str) -> OutOfTime:
+    return OutOfTime(
+        f"all {size} of this {owner}'s connections to {where} stayed busy "
+        f"until the call's deadline (see {owner}(max_connections=...))"
+    )
+
+
 class Driver:
     """A bounded LIFO pool of autocommit driver connections, safe across threads and forks."""
 
@@ -148,23 +173,19 @@ class Driver:
             self._reset()
         with self._cond:
             while True:
-                if waiting and self._waiting_out >= max(1, self.size - 1):
-                    pass  # wait for another waiter's statement to finish
-                elif self._idle and not fresh:
+                turn = pool_turn(waiting, fresh, self._waiting_out, len(self._idle), self._open, self.size)
+                if turn == IDLE:
                     conn = self._idle.pop()
                     conn.waiting = waiting
                     self._waiting_out += waiting
                     return conn
-                elif self._open < self.size:
+                if turn == OPEN:
                     self._open += 1
                     self._waiting_out += waiting
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise OutOfTime(
-                        f"all {self.size} of this Locker's connections to {self.where} stayed busy "
-                        "until the call's deadline (see Locker(max_connections=...))"
-                    )
+                    raise pool_busy(self.size, self.where, "Locker")
                 self._cond.wait(left)
         try:
             conn = _Conn(self.connect(deadline))

@@ -43,7 +43,7 @@ from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, DBLockError, LeaseLost, LockNotAcquired
-from .lease import LeaseInfo, LeaseState
+from .lease import LeaseInfo, LeaseState, LeaseView
 from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
 from .schema import DEFAULT_TABLE
 
@@ -777,7 +777,7 @@ async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:
         renew_log.exception("on_lost callback for %r raised", lease.name)
 
 
-class AsyncLease:
+class AsyncLease(LeaseView):
     """A grant of lock ``name`` to this process, for asyncio code (see ``Lease``).
 
     ``token`` is the fencing token. ``lost`` is an ``asyncio.Event``, set once
@@ -812,34 +812,9 @@ class AsyncLease:
         return self._locker
 
     @property
-    def expires_at(self) -> datetime:
-        """The lease's expiry by the database clock, as of its grant or last extend."""
-        return self._state.expires_at
-
-    @property
-    def ttl(self) -> float:
-        return self._state.ttl
-
-    @property
-    def min_hold(self) -> float:
-        """Seconds after the grant before which a release keeps the lease (0: none)."""
-        return self._min_hold
-
-    @property
-    def held_until(self) -> datetime | None:
-        """After a release that kept the lease for its ``min_hold``: when it ends (database time)."""
-        return self._state.held_until
-
-    @property
     def lost(self) -> asyncio.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost  # type: ignore[return-value]
-
-    def remaining(self) -> float:
-        """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
-        if self._state.ended():
-            return 0.0
-        return max(0.0, self._state.trusted_until - time.monotonic())
 
     async def extend(self, ttl: float | None = None) -> None:
         """Push the expiry to (database now + ttl); raises ``LeaseLost`` if someone else took the lock."""
@@ -903,20 +878,12 @@ class AsyncLease:
                 raise
             release_log.exception("could not release %r after an error in the async with-block", self.name)
             return
-        if not ended and not released_before and not failing:
-            raise LeaseLost(
-                f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
-                "another owner may have acquired it"
-            )
+        lost = self._lost_in_block(ended, released_before, failing)
+        if lost is not None:
+            raise lost
 
     def __repr__(self) -> str:
-        if self._state.released:
-            state = "released"
-        elif self.lost.is_set():
-            state = "lost"
-        else:
-            state = f"remaining={self.remaining():.3f}s"
-        return f"<AsyncLease {self.name!r} token={self.token} {state}>"
+        return f"<AsyncLease {self.name!r} token={self.token} {self._status()}>"
 
 
 class _AsyncLockContext:

@@ -81,7 +81,67 @@ class LeaseState:
         return self.released or self.lost.is_set()
 
 
-class Lease:
+class LeaseView:
+    """What both faces' leases (``Lease``, ``aio.AsyncLease``) read from their ``LeaseState``.
+
+    A base of no state of its own (its subclasses define ``_state``,
+    ``_min_hold``, ``name`` and ``token``), so the read-only properties,
+    ``remaining()``, the repr and the with-block's verdict are written once.
+    """
+
+    __slots__ = ()
+    _state: LeaseState
+    _min_hold: float
+    name: str
+    token: int
+
+    @property
+    def expires_at(self) -> datetime:
+        """The lease's expiry by the database clock (timezone-aware), as of its grant or last extend."""
+        return self._state.expires_at
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live, in seconds, as of its grant or last extend."""
+        return self._state.ttl
+
+    @property
+    def min_hold(self) -> float:
+        """Seconds after the grant before which ``release`` keeps the lease (0: it ends at release)."""
+        return self._min_hold
+
+    @property
+    def held_until(self) -> datetime | None:
+        """After a ``release`` that kept the lease for its ``min_hold``: when it ends, by the
+        database clock (timezone-aware). None before, and after a release that ended it."""
+        return self._state.held_until
+
+    def remaining(self) -> float:
+        """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
+        if self._state.ended():
+            return 0.0
+        return max(0.0, self._state.trusted_until - time.monotonic())
+
+    def _lost_in_block(self, ended: bool, released_before: bool, failing: bool) -> LeaseLost | None:
+        """The with-block's verdict after its release: LeaseLost if the lease was lost before the
+        block ended (not when the block is failing anyway, or released the lease itself)."""
+        if ended or released_before or failing:
+            return None
+        return LeaseLost(
+            f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
+            "another owner may have acquired it"
+        )
+
+    def _status(self) -> str:
+        if self._state.released:
+            held = self._state.held_until
+            return "released" if held is None else f"released, held until {held.isoformat()}"
+        if self._state.lost.is_set():
+            return "lost"
+        return f"remaining={self.remaining():.3f}s"
+
+
+class Lease(LeaseView):
     """A grant of lock ``name`` to this process.
 
     ``token`` is the fencing token: larger than every earlier grant's of the
@@ -135,36 +195,9 @@ class Lease:
         return bool(getattr(self._keeper, "shared", False))
 
     @property
-    def expires_at(self) -> datetime:
-        """The lease's expiry by the database clock (timezone-aware), as of its grant or last extend."""
-        return self._state.expires_at
-
-    @property
-    def ttl(self) -> float:
-        """The lease's time to live, in seconds, as of its grant or last extend."""
-        return self._state.ttl
-
-    @property
-    def min_hold(self) -> float:
-        """Seconds after the grant before which ``release`` keeps the lease (0: it ends at release)."""
-        return self._min_hold
-
-    @property
-    def held_until(self) -> datetime | None:
-        """After a ``release`` that kept the lease for its ``min_hold``: when it ends, by the
-        database clock (timezone-aware). None before, and after a release that ended it."""
-        return self._state.held_until
-
-    @property
     def lost(self) -> threading.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost
-
-    def remaining(self) -> float:
-        """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
-        if self._state.ended():
-            return 0.0
-        return max(0.0, self._state.trusted_until - time.monotonic())
 
     def extend(self, ttl: float | None = None) -> None:
         """Push the expiry to (database now + ttl). Raises LeaseLost if someone else took the lock.
@@ -244,21 +277,12 @@ class Lease:
                 raise
             release_log.exception("could not release %r after an error in the with-block", self.name)
             return
-        if not ended and not released_before and not failing:
-            raise LeaseLost(
-                f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
-                "another owner may have acquired it"
-            )
+        lost = self._lost_in_block(ended, released_before, failing)
+        if lost is not None:
+            raise lost
 
     def __repr__(self) -> str:
-        if self._state.released:
-            held = self._state.held_until
-            state = "released" if held is None else f"released, held until {held.isoformat()}"
-        elif self.lost.is_set():
-            state = "lost"
-        else:
-            state = f"remaining={self.remaining():.3f}s"
-        return f"<Lease {self.name!r} token={self.token} {state}>"
+        return f"<Lease {self.name!r} token={self.token} {self._status()}>"
 
 
 __all__ = ["Lease", "LeaseInfo", "LeaseLost"]

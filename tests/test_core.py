@@ -236,3 +236,15 @@ def test_a_wait_that_cannot_leave_its_line_reports_why() -> None:
     assert core.left_line_failed(no_time, outage, answered=True) is outage
     assert core.left_line_failed(no_time, None, answered=False) is no_time  # never answered: not a holder
     assert core.left_line_failed(no_time, outage, answered=False) is outage
+
+
+def test_a_pool_keeps_a_connection_for_releases_and_opens_no_more_than_its_size() -> None:
+    from dblock._driver import IDLE, OPEN, WAIT, pool_turn
+
+    # (waiting, fresh, waiting_out, idle, opened, size)
+    assert pool_turn(False, False, 0, 1, 1, 4) == IDLE
+    assert pool_turn(False, True, 0, 1, 1, 4) == OPEN  # a retry wants a new connection
+    assert pool_turn(False, False, 0, 0, 4, 4) == WAIT  # all open and busy
+    assert pool_turn(True, False, 3, 1, 4, 4) == WAIT  # waiters hold size - 1: the last one is kept
+    assert pool_turn(False, False, 3, 1, 4, 4) == IDLE  # ...for a release
+    assert pool_turn(True, False, 0, 0, 0, 1) == OPEN  # a pool of one still serves a waiter
