@@ -280,10 +280,18 @@ class Locker:
         )
 
     def _forget_shared(self, name: str, owner: str) -> None:
-        """End ``owner``'s shared lease of ``name``, if an unanswered attempt granted it one."""
-        rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
-        if rows:
-            self._end({"name": name, "owner": owner, "token": rows[0][0]}, self._deadline(), shared=True)
+        """Take ``owner`` out of ``name``'s queue, and end its shared lease if it holds one."""
+        if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
+            rows = self._driver.run(
+                self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
+            ).rows
+            grant = core.cancelled(rows)
+            token = None if grant is None else grant.token
+        else:
+            rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+            token = rows[0][0] if rows else None
+        if token is not None:
+            self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=True)
 
     def _forget(self, name: str, owner: str) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
@@ -377,10 +385,22 @@ class Locker:
             hot.leave(name, me)
 
     def _wait_in_queue(
-        self, name: str, owner: str, ttl: float, hold: float, timeout: float, deadline: float
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        hold: float,
+        timeout: float,
+        deadline: float,
+        limit: int | None | bool = False,
     ) -> Lease:
-        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
+        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release.
+
+        ``limit`` False: for the exclusive lock; None (a reader) or an int (a
+        semaphore): for a shared lease, in the same line as the name's writers.
+        """
         self._ensure_schema()
+        shared = limit is not False
         listener, heartbeat = self._listener, self._heartbeat
         slot, ident = None, None
         if listener is not None:
@@ -405,12 +425,12 @@ class Locker:
                 sent_at = time.monotonic()
                 try:
                     rows = self._driver.run(
-                        self._sql.enqueue,  # type: ignore[arg-type]
+                        self._sql.share_enqueue if shared else self._sql.enqueue,  # type: ignore[arg-type]
                         {
                             "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                             "proc": self._proc_id(), "lapse": self._lapse,
                             "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                            "until": core.entry_lifetime(left), "seq": seq,
+                            "until": core.entry_lifetime(left), "seq": seq, "limit": None if limit is False else limit,
                         },
                         deadline=self._bound(deadline),
                         waiting=True,
@@ -430,7 +450,9 @@ class Locker:
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
-                    return Lease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, hold)
+                    return Lease(
+                        self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, hold, self._keeper_of(shared)
+                    )
                 wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
                 queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
@@ -444,7 +466,7 @@ class Locker:
                         token, expiry = slot.grant
                         try:
                             lease = self._handed(
-                                name, owner, ttl, hold, Grant(token, core.when(expiry)), queued_at, deadline
+                                name, owner, ttl, hold, Grant(token, core.when(expiry)), queued_at, deadline, shared
                             )
                         except DatabaseUnavailable as exc:
                             # The lease is ours but could not be renewed for use: the next
@@ -470,7 +492,7 @@ class Locker:
                     deadline=self._bound(deadline),
                 ).rows
             except DatabaseUnavailable as exc:
-                self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
+                self._abandon(name, owner, ttl, limit)  # our entry dies with its own deadline anyway
                 raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
             handed = core.cancelled(rows)
             if handed is not None:
@@ -479,13 +501,14 @@ class Locker:
                 # back "queued" was sent, which then starts its trust (G5).
                 try:
                     if queued_at is not None:
-                        lease = self._handed(name, owner, ttl, hold, handed, queued_at, deadline)
+                        lease = self._handed(name, owner, ttl, hold, handed, queued_at, deadline, shared)
                         if lease is not None:
                             return lease
                     else:  # no such attempt: we cannot tell when it was granted, so end it
-                        self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))
+                        key = {"name": name, "owner": owner, "token": handed.token}
+                        self._end(key, self._bound(deadline), shared=shared)
                 except DatabaseUnavailable as exc:
-                    self._abandon(name, owner, ttl)  # ours, unconfirmed: ended in the background
+                    self._abandon(name, owner, ttl, limit)  # ours, unconfirmed: ended in the background
                     raise self._out_of_time(name, timeout, exc) from exc
             raise self._out_of_time(name, timeout, outage)
         finally:
@@ -503,6 +526,7 @@ class Locker:
         handed: Grant,
         queued_at: tuple[float, float],
         deadline: float,
+        shared: bool = False,
     ) -> Lease | None:
         """A lease a release handed us, or None if it was lost before we woke.
 
@@ -516,12 +540,17 @@ class Locker:
         now = time.monotonic()
         trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
         expires_at, sent_at = handed.expires_at, trusted - ttl  # the Lease trusts sent_at + ttl
+        keeper = self._keeper_of(shared)
         if core.needs_refresh(trusted, now, ttl):
-            done = self.keeper.extend(name, owner, handed.token, ttl, self._bound(deadline))
+            done = keeper.extend(name, owner, handed.token, ttl, self._bound(deadline))
             if done is None:
                 return None
             expires_at, sent_at = done
-        return Lease(self, name, owner, handed.token, expires_at, ttl, sent_at, hold)
+        return Lease(self, name, owner, handed.token, expires_at, ttl, sent_at, hold, keeper)
+
+    def _keeper_of(self, shared: bool) -> Keeper:
+        """The statements behind a lease's verbs: a shared lease's, or the exclusive lock's."""
+        return self.shared_keeper if shared else self.keeper
 
     def lock(
         self,
@@ -647,8 +676,10 @@ class Locker:
         """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
 
         The write side is the exclusive lock of the same name (``acquire``,
-        ``lock``, or ``write_lock``). A writer waiting in the fair queue
-        (PostgreSQL, ``fair=True``) holds off new readers.
+        ``lock``, or ``write_lock``). On PostgreSQL (``fair=True``) readers
+        and writers wait in one line, first come first served: a writer in
+        line holds off new readers, and a writer's release admits every
+        reader queued behind it at once.
         """
         check_name(name)
         return Shared(self, name, None)
@@ -718,6 +749,8 @@ class Locker:
                 raise
             if lease is None:
                 raise LockNotAcquired(name, timeout)
+        elif self._queued:
+            lease = self._wait_in_queue(name, owner, ttl, 0.0, timeout, deadline, limit)
         else:
             lease = self._wait_in_line(name, owner, ttl, 0.0, timeout, deadline, limit)
         if renew:
@@ -878,13 +911,18 @@ class Shared:
         self.locker, self.name, self.limit = locker, name, limit
 
     def try_acquire(self, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None) -> Lease | None:
-        """One attempt: a Lease, or None if a writer holds the name, a writer waits in the fair queue, or it is full."""
+        """One attempt: a Lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
         return self.locker._share_try(self.name, self.limit, ttl, renew, on_lost)
 
     def acquire(
         self, *, ttl: float | None = None, timeout: float | None = None, renew: bool = False, on_lost: OnLost | None = None
     ) -> Lease:
-        """Wait up to ``timeout`` seconds (polling with backoff, never past a known expiry); LockNotAcquired after."""
+        """Wait up to ``timeout`` seconds; LockNotAcquired after.
+
+        On PostgreSQL with ``fair=True`` it waits in the name's fair queue, in
+        one line with writers, and a release hands it the lease; otherwise it
+        polls with backoff, never past a known expiry.
+        """
         return self.locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
 
     def lock(

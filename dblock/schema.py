@@ -12,6 +12,7 @@ from pathlib import Path
 import platformdirs
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    false,
     text,
 )
 
@@ -99,7 +101,9 @@ def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadat
     cost does not grow with the queue. A waiter is live while its process's
     row in the procs table is fresh, its listener session (``pid`` started
     at ``start``; NULL when it polls) exists, and its own deadline (``until``)
-    has not passed. Every change happens under the lock row's lock.
+    has not passed. Every change happens under the lock row's lock. Readers and
+    semaphore waiters (``shared``, with the semaphore's ``lim``) wait in the same
+    line as writers (migration 0008).
     """
     md = metadata if metadata is not None else MetaData()
     return Table(
@@ -114,6 +118,8 @@ def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadat
         Column("pid", Integer, nullable=True),
         Column("start", DateTime(timezone=True), nullable=True),
         Column("until", DateTime(timezone=True), nullable=True),
+        Column("shared", Boolean, nullable=False, server_default=false()),
+        Column("lim", Integer, nullable=True),
         PrimaryKeyConstraint("name", "seq"),
         schema=schema,
     )
@@ -147,6 +153,11 @@ def holders_table_name(table: str) -> str:
 def shared_function_names(table: str) -> tuple[str, str, str]:
     """PostgreSQL's shared-lease functions for lock table ``table``: (acquire, release, extend)."""
     return f"{table}_share_acquire", f"{table}_share_release", f"{table}_share_extend"
+
+
+def shared_queue_function_names(table: str) -> tuple[str, str]:
+    """PostgreSQL's functions for shared waiters in the fair queue (migration 0008): (admit, share_enqueue)."""
+    return f"{table}_admit", f"{table}_share_enqueue"
 
 
 def holders_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:

@@ -17,6 +17,7 @@ from .schema import (
     procs_table_name,
     queue_function_names,
     shared_function_names,
+    shared_queue_function_names,
     token_sequence_name,
     waiters_table_name,
 )
@@ -49,6 +50,7 @@ class Statements:
     share_owned: str = ""  # the token owner's shared lease has (clean-up after a lost reply)
     share_prune: str = ""  # after prune: forget shared leases that ended long ago
     share_holder: str | None = None  # SQLite only: how long a missed shared acquire should wait
+    share_enqueue: str | None = None  # PostgreSQL only: fair waiting for a shared lease (migration 0008)
 
 
 def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
@@ -64,7 +66,8 @@ def build(dialect: Dialect, table: str, schema: str | None) -> Statements:
         shared = _postgresql_shared(
             qualified, prefix + quote(holders_table_name(table)), *(prefix + quote(n) for n in shared_function_names(table))
         )
-        return replace(exclusive, **shared)
+        share_enqueue_fn = prefix + quote(shared_queue_function_names(table)[1])
+        return replace(exclusive, **shared, share_enqueue=_share_enqueue(share_enqueue_fn))
     if dialect.name == "sqlite":
         return replace(_sqlite(qualified), **_sqlite_shared(qualified, quote(holders_table_name(table))))
     raise ValueError(f"dblock has no statements for the {dialect.name} dialect")
@@ -127,7 +130,9 @@ LIMIT 1"""
     # after waiting for the row lock) that is this one UPDATE. Otherwise the
     # hand-off function (migration 0005) runs instead, in the same statement:
     # it grants the first live waiter a fresh token under the row lock (G2)
-    # and NOTIFYs exactly that waiter's listener.
+    # and NOTIFYs exactly that waiter's listener; when readers or semaphore
+    # waiters are first in line, each of them up to the next writer that fits,
+    # a token each (migration 0008).
     release = f"""
 WITH r AS (
     UPDATE {t} SET owner = NULL, expires_at = NULL
@@ -355,6 +360,19 @@ RETURNING name"""
     )
 
 
+def _share_enqueue(fn: str) -> str:
+    # share_enqueue (fair waiting for a shared lease, migration 0008)
+    # binds: enqueue's, and limit (NULL: a reader)
+    # returns one row as enqueue does (granted, token, expires_at, wait, seq, ahead, at):
+    #   readers, semaphore waiters and writers of a name wait in one line, in
+    #   arrival order; each call first grants whoever of the line's head fits
+    #   (this caller too). Not granted: wait is when the first live holder's
+    #   lease ends. A look while a writer holds and owner is in line writes nothing.
+    return f"""
+SELECT * FROM {fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int, %(proc)s, %(lapse)s::float8,
+    %(pid)s::int, %(start)s::timestamptz, %(until)s::float8, %(seq)s::bigint)"""
+
+
 # -- shared leases (read locks and semaphores, migration 0007) --------------------------
 # A shared lease is a row of the holders table: (name, owner) with its own token
 # and expiry, and lim, the limit it was granted under (NULL for a reader). While
@@ -381,6 +399,9 @@ def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_
     #   free: on a grant, the slots it left (the smallest live limit less the
     #     live holders; NULL when no limit binds), so a waiter next in line
     #     knows whether to look at once. NULL on a miss.
+    #   Since migration 0008 readers and semaphore waiters queue too (share_enqueue):
+    #   while any live waiter is in line a newcomer is refused (wait NULL), after
+    #   the call has granted whoever of the line fits (a lease that ran out unreleased).
     # A miss behind a writer reads only; other misses lock the row.
     share_acquire = (
         f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int)"
@@ -388,8 +409,9 @@ def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_
     # share_release
     # binds: name, owner, token
     # returns one row (token, notified) when this call ended the shared lease;
-    #   the last holder out hands the name to the first live writer in the fair
-    #   queue (NOTIFY), or frees it. Zero rows: already released, or the lease
+    #   the slot it frees (or the name, when it was the last holder) goes to
+    #   the fair queue's head and each waiter after it that fits (NOTIFY), or
+    #   the name is freed. Zero rows: already released, or the lease
     #   ran out and was forgotten or taken over (G3).
     share_release = f"SELECT * FROM {release_fn}(%(name)s, %(owner)s, %(token)s::bigint)"
     # share_released (after a release whose reply was lost)

@@ -20,6 +20,7 @@ from dblock.schema import (
     locks_table,
     procs_table,
     shared_function_names,
+    shared_queue_function_names,
     queue_function_names,
     token_index_name,
     token_sequence_name,
@@ -72,8 +73,8 @@ def test_migrated_table_matches_the_code(db: Db) -> None:
 
 
 def test_migrated_queue_tables_and_functions_match_the_code(db: Db) -> None:
-    """PostgreSQL's fair queue (0005): the waiters and procs tables as declared, and the three
-    functions; SQLite, whose waiters poll, has none of them."""
+    """PostgreSQL's fair queue (0005, 0008): the waiters and procs tables as declared, and the
+    queue's and shared leases' functions; SQLite, whose waiters poll, has none of them."""
     engine = create_engine(db.url)
     insp = inspect(engine)
     tables = (waiters_table(db.table), procs_table(db.table))
@@ -89,7 +90,10 @@ def test_migrated_queue_tables_and_functions_match_the_code(db: Db) -> None:
         assert insp.get_pk_constraint(declared.name)["constrained_columns"] == [c.name for c in declared.primary_key]
     assert {i["name"] for i in insp.get_indexes(waiters_table_name(db.table))} == set()  # the key is the index
     functions = {r[0] for r in db.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (db.table + "_%",))}
-    assert functions == set(queue_function_names(db.table)) | set(shared_function_names(db.table))
+    assert functions == (
+        set(queue_function_names(db.table)) | set(shared_function_names(db.table))
+        | set(shared_queue_function_names(db.table))
+    )
     engine.dispose()
 
 
@@ -119,7 +123,7 @@ def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
     )
     locker.create_schema()
     ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
-    assert version == "dblock_0007"
+    assert version == "dblock_0008"
     (old,) = locker.leases()
     assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
     lease = locker.try_acquire("new")
