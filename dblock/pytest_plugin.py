@@ -7,7 +7,7 @@ so it never shadows a fixture of your own.
 - ``dblock_url`` (session): a PostgreSQL URL; ``dblock_postgresql`` also gives
   the throwaway server, if one was started;
 - ``dblock_locker``: a Locker on a fresh PostgreSQL schema, dropped after the test;
-- ``dblock_expire(lease)``: end a lease now, by the database's clock, as if its
+- ``dblock_expire(lease)``: end a lease (exclusive or shared) now, by the database's clock, as if its
   holder had paused past its TTL;
 - ``dblock_compete(name, fn)``: run ``fn(lease)`` as another client holding ``name``.
 
@@ -207,24 +207,36 @@ def expire_now(lease: Lease | AsyncLease) -> None:
     ``lease.remaining()`` still counts down, as it would during a real pause.
     Raises LeaseLost if the lease was already released or taken over.
     """
-    from sqlalchemy import update
+    from sqlalchemy import func, select, update
 
     from dblock import AsyncLease, Lease, LeaseLost
-    from dblock.schema import locks_table
+    from dblock.schema import SHARED_OWNER, holders_table, locks_table
 
     if not isinstance(lease, (Lease, AsyncLease)):
         raise TypeError(f"dblock_expire takes a Lease or an AsyncLease, not {type(lease).__name__}")
     locker = lease.locker
     t = locks_table(locker.table, locker.schema)
+    h = holders_table(locker.table, locker.schema)
     # acquired_at is in the past on every backend's clock: an expiry there has passed.
-    stmt = (
-        update(t)
-        .where(t.c.name == lease.name, t.c.owner == lease.owner, t.c.token == lease.token)
-        .values(expires_at=t.c.acquired_at)
-    )
+    if lease.shared:  # a reader's or semaphore holder's: its holder row, and the name's row after it
+        stmt = (
+            update(h)
+            .where(h.c.name == lease.name, h.c.owner == lease.owner, h.c.token == lease.token)
+            .values(expires_at=h.c.acquired_at)
+        )
+    else:
+        stmt = (
+            update(t)
+            .where(t.c.name == lease.name, t.c.owner == lease.owner, t.c.token == lease.token)
+            .values(expires_at=t.c.acquired_at)
+        )
     with locker.engine.begin() as conn:
         if conn.execute(stmt).rowcount != 1:
             raise LeaseLost(f"cannot expire the lease on {lease.name!r} (token {lease.token}): it already ended")
+        if lease.shared:
+            # The name's row ends with its last holder (the latest expiry, now maybe past).
+            latest = select(func.max(h.c.expires_at)).where(h.c.name == lease.name).scalar_subquery()
+            conn.execute(update(t).where(t.c.name == lease.name, t.c.owner == SHARED_OWNER).values(expires_at=latest))
 
 
 @pytest.fixture

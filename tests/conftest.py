@@ -24,6 +24,7 @@ from dblock.pytest_plugin import PostgreSQL, memory_dir
 from . import ha
 from . import pgbouncer as bouncer
 from .pgbouncer import PgBouncer
+from .pgproxy import PgProxy
 
 
 @pytest.fixture(scope="session")
@@ -230,6 +231,14 @@ def lock_once(url: str, table: str, schema: str | None) -> int:
         assert lease is not None
         lease.release()
         return lease.token
+
+
+@pytest.fixture
+def proxy(pg: Db) -> Iterator[PgProxy]:
+    """A proxy in front of the test PostgreSQL that counts round trips (and can pause or cut them)."""
+    p = PgProxy(pg.url)
+    yield p
+    p.close()
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

@@ -15,13 +15,6 @@ from .conftest import Db, libpq_dsn, wait_for, warm_waiting
 from .pgproxy import PgProxy
 
 
-@pytest.fixture
-def proxy(pg: Db):
-    p = PgProxy(pg.url)
-    yield p
-    p.close()
-
-
 def test_one_round_trip_per_operation(pg: Db, proxy: PgProxy) -> None:
     locker = Locker(proxy.url, table=pg.table)
     warm = locker.try_acquire("warm")  # first use on a connection prepares each statement

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dblock import LeaseLost, Locker, LockNotAcquired
 
-from .conftest import Db
+from dblock.pytest_plugin import expire_now
+
+from .conftest import Db, wait_for
 from .workers import run_together
 
 HERE = Path(__file__).resolve().parent
@@ -426,6 +430,215 @@ def test_a_queued_writer_is_not_granted_while_a_reader_holds(pg: Db) -> None:
     with pytest.raises(LockNotAcquired):
         locker.acquire("nq", ttl=30, timeout=0.3)  # enqueue sees the name held by the reader
     assert reader.release()
+
+
+# -- one fair line for readers, semaphore waiters and writers (PostgreSQL, migration 0008) ---
+# What each release hands over is read from the database right after it returns: the
+# release's own statement admits (there is no moment between for a waiter's look). That
+# the admitted waiters are woken by the release's NOTIFY is shown by statement counts:
+# waiters that look only once a minute send their one enqueue and nothing after.
+def in_line(db: Db, name: str) -> int:
+    return db.query(f"SELECT count(*) FROM {db.table}_waiters WHERE name = %s", (name,))[0][0]
+
+
+def holding(db: Db, name: str) -> int:
+    return db.query(f"SELECT count(*) FROM {db.table}_holders WHERE name = %s AND expires_at > now()", (name,))[0][0]
+
+
+def waiter(db: Db, name: str, kind: str, timeout: float = 60) -> subprocess.Popen[str]:
+    """A waiter in its own process (tests/wait_worker.py) that holds what it gets until told."""
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "wait_worker.py"), db.url, db.table, name, str(timeout), "fair", kind, "hold"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+
+
+def granted(p: subprocess.Popen[str]) -> int:
+    line = p.stdout.readline() if p.stdout else ""
+    assert line.startswith("granted"), line
+    return int(line.split()[1])
+
+
+def done(p: subprocess.Popen[str]) -> None:
+    """Tell a holding waiter to release, and wait for its release to be done."""
+    out, _ = p.communicate("\n", timeout=30)
+    assert out.strip() == "released True", out
+
+
+def queue_up(db: Db, name: str, kinds: list[str]) -> list[subprocess.Popen[str]]:
+    """One waiter process per kind, each in line before the next starts: their arrival order."""
+    procs = []
+    for kind in kinds:
+        procs.append(waiter(db, name, kind))
+        wait_for(lambda: in_line(db, name) == len(procs), timeout=30, what=f"waiter {len(procs)} ({kind}) to queue")
+    return procs
+
+
+def test_readers_and_writers_are_served_in_arrival_order_across_processes(pg: Db) -> None:
+    """Five processes queue behind a writer: reader, writer, reader, reader, writer. A reader
+    behind a waiting writer waits for it, even while another reader holds; a writer's release
+    admits every reader queued behind it, up to the next writer, in its one statement."""
+    w0 = pg.locker().acquire("f", ttl=60)
+    r1, w2, r3, r4, w5 = queue_up(pg, "f", ["read", "write", "read", "read", "write"])
+    assert w0.release()
+    assert (holding(pg, "f"), in_line(pg, "f")) == (1, 4)  # R1 only: R3 and R4 are behind W2
+    t1 = granted(r1)
+    done(r1)  # the last reader out hands the name to W2
+    ((owner, t2),) = pg.query(f"SELECT owner, token FROM {pg.table} WHERE name = 'f'")
+    assert owner != SHARED[1:-1] and (holding(pg, "f"), in_line(pg, "f")) == (0, 3)
+    assert granted(w2) == t2
+    done(w2)  # a writer's release admits R3 and R4 together
+    assert (holding(pg, "f"), in_line(pg, "f")) == (2, 1)
+    t3, t4 = granted(r3), granted(r4)
+    done(r3)
+    assert (holding(pg, "f"), in_line(pg, "f")) == (1, 1)  # W5 waits for R4 too
+    done(r4)
+    t5 = granted(w5)
+    assert (holding(pg, "f"), in_line(pg, "f")) == (0, 0)
+    done(w5)
+    assert w0.token < t1 < t2 < min(t3, t4) <= max(t3, t4) < t5, "grants did not follow the line"
+
+
+def test_semaphore_slots_go_to_waiters_in_arrival_order_across_processes(pg: Db) -> None:
+    """A semaphore of 2, both slots held; three processes queue. Each release hands its slot
+    to the first in line; a newcomer's try_acquire does not jump the line."""
+    sem = pg.locker().semaphore("s", 2)
+    a, b = sem.try_acquire(ttl=60), sem.try_acquire(ttl=60)
+    assert a is not None and b is not None
+    s1, s2, s3 = queue_up(pg, "s", ["sem:2", "sem:2", "sem:2"])
+    assert a.release()
+    assert (holding(pg, "s"), in_line(pg, "s")) == (2, 2)
+    t1 = granted(s1)
+    assert b.release()
+    t2 = granted(s2)
+    assert (holding(pg, "s"), in_line(pg, "s")) == (2, 1)
+    done(s1)
+    t3 = granted(s3)
+    assert (holding(pg, "s"), in_line(pg, "s")) == (2, 0)
+    assert sem.try_acquire(ttl=60) is None  # full
+    done(s2)
+    done(s3)
+    assert b.token < t1 < t2 < t3
+
+
+def test_a_newcomer_first_admits_the_line_when_holders_ran_out(pg: Db) -> None:
+    """Holders that die unreleased leave waiters in line; the next call on the name (here a
+    newcomer's try_acquire) hands their slots to the line first, and waits behind what is left."""
+    locker = pg.locker()
+    sem = locker.semaphore("x", 2)
+    gone = [sem.try_acquire(ttl=60), sem.try_acquire(ttl=60)]
+    s1, s2, s3 = queue_up(pg, "x", ["sem:2", "sem:2", "sem:2"])
+    for lease in gone:
+        assert lease is not None
+        expire_now(lease)  # as if its holder had died
+    assert (holding(pg, "x"), in_line(pg, "x")) == (0, 3)
+    assert sem.try_acquire(ttl=60) is None  # S1 and S2 were admitted first; S3 is still ahead of us
+    assert (holding(pg, "x"), in_line(pg, "x")) == (2, 1)
+    assert granted(s1) > max(g.token for g in gone if g) and granted(s2)
+    for p in (s1, s2):
+        done(p)
+    granted(s3)
+    done(s3)
+
+
+def test_a_writer_that_gives_up_lets_the_readers_behind_it_in(pg: Db) -> None:
+    """A reader holds; a writer waits; a reader queues behind it (first come, first served). The
+    writer's wait runs out: its leaving admits the reader at once, beside the one holding."""
+    locker = pg.locker()
+    first = locker.readers("g").try_acquire(ttl=60)
+    assert first is not None
+    out: dict = {}
+    writer = threading.Thread(target=lambda: out.setdefault("w", _raises(lambda: locker.acquire("g", timeout=3))))
+    writer.start()
+    wait_for(lambda: in_line(pg, "g") == 1, what="the writer to queue")
+    (r2,) = queue_up(pg, "g", ["read"])
+    assert holding(pg, "g") == 1  # held off by the writer in line
+    writer.join(30)
+    assert isinstance(out["w"], LockNotAcquired)
+    assert (holding(pg, "g"), in_line(pg, "g")) == (2, 0)  # the writer's cancel admitted R2
+    assert granted(r2) > first.token
+    done(r2)
+    assert first.release()
+
+
+def test_a_dead_writer_in_line_does_not_hold_up_the_readers_behind_it(pg: Db) -> None:
+    """The writer ahead of a reader is SIGKILLed while it waits: the next release skips it (its
+    listener session is gone) and admits the reader."""
+    w0 = pg.locker().acquire("d", ttl=60)
+    w1, r2 = queue_up(pg, "d", ["write", "read"])
+    w1.kill()
+    w1.wait(30)
+    ((pid,),) = pg.query(f"SELECT pid FROM {pg.table}_waiters WHERE name = 'd' ORDER BY seq LIMIT 1")
+    wait_for(lambda: not pg.query("SELECT FROM pg_stat_activity WHERE pid = %s", (pid,)),
+             what="the dead writer's listener session to end")
+    assert w0.release()
+    assert (holding(pg, "d"), in_line(pg, "d")) == (1, 0)
+    assert granted(r2) > w0.token
+    done(r2)
+
+
+def _raises(fn: Any) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test
+        return exc
+    return None
+
+
+def warm_shared(db: Db, locker: Locker) -> None:
+    """warm_waiting for a reader: the listener, the pooled connection and the shared statements."""
+    other = db.locker()
+    other.try_acquire("warm-s", ttl=0.05)
+    locker.readers("warm-s").acquire(timeout=30).release()
+    other.try_acquire("warm-s", ttl=60)
+    with pytest.raises(LockNotAcquired):
+        locker.readers("warm-s").acquire(timeout=0.01)
+
+
+def test_a_writers_release_wakes_the_readers_it_admits(pg: Db) -> None:
+    """Four readers in one process wait behind a writer, looking once a minute at most; a
+    writer waits behind them. The release admits the four (not the writer) and its NOTIFYs
+    wake them: each sent its one enqueue, and nothing after. The last reader out hands the
+    name to the writer."""
+    slow = {"poll_min": 60.0, "poll_max": 60.0}
+    readers = pg.locker(**slow)
+    warm_shared(pg, readers)
+    held = pg.locker().acquire("n", ttl=60)
+    sent: list[str] = []
+    execute = readers._driver._execute
+
+    def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+        sent.append(sql)
+        return execute(conn, sql, params)
+
+    readers._driver._execute = counted  # type: ignore[method-assign]
+    waits = [_in_thread(lambda: readers.readers("n").acquire(timeout=120)) for _ in range(4)]
+    wait_for(lambda: in_line(pg, "n") == 4, what="the readers to queue")
+    late = pg.locker(**slow)
+    writer = _in_thread(lambda: late.acquire("n", timeout=120))
+    wait_for(lambda: in_line(pg, "n") == 5, what="the writer to queue")
+    assert held.release()
+    assert (holding(pg, "n"), in_line(pg, "n")) == (4, 1)
+    leases = [_joined(w) for w in waits]
+    assert sent == [readers._sql.share_enqueue] * 4  # one enqueue each: woken, never looking again
+    assert min(lease.token for lease in leases) > held.token
+    for lease in leases:
+        assert lease.release()
+    assert _joined(writer).token > max(lease.token for lease in leases)
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.setdefault("value", fn()))
+    thread.start()
+    return thread, out
+
+
+def _joined(waiting: tuple[threading.Thread, dict]) -> Any:
+    thread, out = waiting
+    thread.join(30)
+    assert not thread.is_alive() and "value" in out, "the waiter never woke"
+    return out["value"]
 
 
 # -- G7: bad input refused before any SQL ------------------------------------------------

@@ -30,13 +30,6 @@ HERE = Path(__file__).resolve().parent
 SLOW = {"poll_min": 60.0, "poll_max": 60.0}  # no poll or fallback wake-up within a test's life
 
 
-@pytest.fixture
-def proxy(pg: Db):
-    p = PgProxy(pg.url)
-    yield p
-    p.close()
-
-
 def queue(db: Db, name: str) -> list[dict[str, Any]]:
     """The name's waiters in line: owner ("o"), listener pid ("p"), process id ("proc"), place ("seq")."""
     rows = db.query(f"SELECT owner, pid, proc, seq FROM {db.table}_waiters WHERE name = %s ORDER BY seq", (name,))

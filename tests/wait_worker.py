@@ -1,8 +1,12 @@
 """A waiter in its own process: queue for a name, report the grant, release.
 
-Usage: python wait_worker.py URL TABLE NAME TIMEOUT [fair|poll|line]
-Prints "granted TOKEN" or "timeout", then releases at once and exits. The
-test reads the lock row's queue to know when this waiter has joined it.
+Usage: python wait_worker.py URL TABLE NAME TIMEOUT [fair|poll|line|slow] [write|read|sem:N] [hold]
+Prints "granted TOKEN" or "timeout", then releases at once and exits; with
+"hold", it waits for a line on stdin before it releases (and prints "released").
+Mode "slow" is "fair" with looks a minute apart: only a release's notification
+wakes it in time. The kind: the exclusive (write) lock, a reader, or a holder
+of a semaphore of N. The test reads the queue (``Locker.waiters``) to know
+when this waiter has joined it.
 """
 
 from __future__ import annotations
@@ -11,20 +15,29 @@ import sys
 
 from dblock import Locker, LockNotAcquired
 
-MODES = {"fair": {}, "poll": {"notify": False}, "line": {"fair": False}}
+MODES = {"fair": {}, "poll": {"notify": False}, "line": {"fair": False}, "slow": {"poll_max": 60.0}}
 
 
 def main() -> None:
     url, table, name, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     mode = sys.argv[5] if len(sys.argv) > 5 else "fair"
+    kind = sys.argv[6] if len(sys.argv) > 6 else "write"
+    hold = len(sys.argv) > 7 and sys.argv[7] == "hold"
     locker = Locker(url, table=table, **MODES[mode])  # type: ignore[arg-type]
+    if kind == "write":
+        acquire = locker.acquire
+    else:
+        side = locker.readers(name) if kind == "read" else locker.semaphore(name, int(kind.split(":")[1]))
+        acquire = lambda name, **options: side.acquire(**options)  # noqa: E731
     try:
-        lease = locker.acquire(name, timeout=timeout)
+        lease = acquire(name, timeout=timeout, ttl=60)
     except LockNotAcquired:
         print("timeout", flush=True)
         return
     print("granted", lease.token, flush=True)
-    lease.release()
+    if hold:
+        sys.stdin.readline()
+    print("released", lease.release(), flush=True)
     locker.close()
 
 
