@@ -209,6 +209,34 @@ def test_race_catches_a_mutant(db: Db, broken: str, spec: dict, error: str) -> N
         check_race(db, grants)
 
 
+# Mutants of the fair queue's walk (migration 0008's admit), made in the database itself.
+_ADMIT_MUTANTS = {
+    # the walk grants readers and semaphore waiters past every limit
+    "limit": ("IF n >= coalesce(v.lim, n + 1) OR n >= coalesce(m, n + 1) THEN", "IF false THEN"),
+    # the walk grants a writer at the head while shared leases are held
+    "writer": ("IF n = 0 THEN", "IF true THEN"),
+}
+
+
+@pytest.mark.parametrize(
+    "broken, spec, error",
+    [
+        ("limit", {"limits": [2]}, "shared leases held at once"),
+        ("writer", {"limits": [None], "writers": 0.3}, "held together with"),
+    ],
+)
+def test_race_catches_a_mutant_of_the_queue(pg: Db, broken: str, spec: dict, error: str) -> None:
+    """The waiting race against a broken queue walk: the checks must fail."""
+    install_audit(pg)
+    ((definition,),) = pg.query(f"SELECT pg_get_functiondef('{pg.table}_admit'::regproc)")
+    old, new = _ADMIT_MUTANTS[broken]
+    assert definition.count(old) == 1
+    pg.query(definition.replace(old, new))
+    grants = race(pg, {**spec, "wait": True}, ttl=warm_ttl(pg))
+    with pytest.raises(AssertionError, match=error):
+        check_race(pg, grants)
+
+
 def test_violations_sees_a_writer_with_a_reader() -> None:
     """The checker itself: a writer overlapping a reader, and a third holder of a limit of 2."""
     assert violations([(0.0, 2.0, "s", None, 1), (1.0, 3.0, "w", None, 2)])
@@ -575,6 +603,33 @@ def test_a_dead_writer_in_line_does_not_hold_up_the_readers_behind_it(pg: Db) ->
     assert (holding(pg, "d"), in_line(pg, "d")) == (1, 0)
     assert granted(r2) > w0.token
     done(r2)
+
+
+def test_downgrading_0008_keeps_the_writers_in_line(pg: Db) -> None:
+    """Down to 0007: shared waiters leave the line (they poll again), writers keep their places
+    and the name's waiting count follows; 0007's functions are back. Up again: as before."""
+    from dblock import migrate
+
+    locker = pg.locker()
+    held = locker.acquire("m", ttl=60)
+    t = pg.table
+    pg.query(f"INSERT INTO {t}_procs (id, until) VALUES ('p', now() + interval '1 hour')")
+    for owner, shared in (("a" * 32, True), ("b" * 32, False), ("c" * 32, True)):
+        pg.query(f"INSERT INTO {t}_waiters (name, owner, ttl, proc, shared) VALUES ('m', %s, 60, 'p', %s)", (owner, shared))
+    pg.query(f"UPDATE {t} SET waiting = 3 WHERE name = 'm'")
+    migrate.downgrade(locker.engine, t, None, "dblock_0007")
+    assert pg.query(f"SELECT owner FROM {t}_waiters") == [("b" * 32,)]
+    assert pg.query(f"SELECT waiting FROM {t} WHERE name = 'm'") == [(1,)]
+    functions = {r[0] for r in pg.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (t + "_%",))}
+    assert f"{t}_admit" not in functions and f"{t}_share_enqueue" not in functions
+    assert held.release()  # 0007's hand-off: to the writer left in line
+    assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'm'") == [("b" * 32, 0)]
+    locker.create_schema()
+    assert pg.query(f"SELECT count(*) FROM {t}_waiters") == [(0,)]
+    reader = locker.readers("m")
+    pg.query(f"UPDATE {t} SET expires_at = now() - interval '1 second' WHERE name = 'm'")
+    lease = reader.acquire(timeout=5)
+    assert lease.shared and lease.release()
 
 
 def _raises(fn: Any) -> BaseException | None:
