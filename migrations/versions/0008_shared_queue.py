@@ -209,6 +209,10 @@ BEGIN
             END IF;
         END LOOP;
     END IF;
+    IF given > 0 THEN
+        -- This transaction granted: it must commit durably (see share_enqueue).
+        PERFORM set_config('dblock.granted', 'on', true);
+    END IF;
     IF p_free AND given = 0 THEN
         UPDATE {t} AS k SET owner = NULL, expires_at = NULL, waiting = k.waiting - dropped WHERE k.name = p_name;
     ELSIF dropped <> 0 THEN
@@ -237,8 +241,7 @@ BEGIN
     queued := me IS NOT NULL AND EXISTS (SELECT FROM {w} AS x WHERE x.name = p_name AND x.seq = me);
     IF NOT queued THEN
         -- A newcomer first tries as try_acquire does: granted if no writer holds, nobody
-        -- waits and it fits. That call may grant others of the line (durably: so this one
-        -- commits durably too).
+        -- waits and it fits. That call may grant others of the line (then dblock.granted is on).
         SELECT a.granted, a.token, a.expires_at INTO r FROM {share_acquire}(p_name, p_owner, p_ttl, p_label, p_limit) AS a;
         IF r.granted THEN
             RETURN QUERY SELECT true, r.token, r.expires_at, NULL::float8, NULL::bigint, 0, NULL::float8;
@@ -283,8 +286,8 @@ BEGIN
         END IF;
         SELECT k.owner, k.token, k.expires_at INTO l FROM {t} AS k WHERE k.name = p_name;
     END IF;
-    IF queued AND gave = 0 THEN
-        -- A look needs no disk flush (see enqueue); a call that granted others commits durably.
+    IF gave = 0 AND current_setting('dblock.granted', true) IS DISTINCT FROM 'on' THEN
+        -- Joining needs no disk flush (see enqueue); a call that granted anyone commits durably.
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
     RETURN QUERY {queued};
