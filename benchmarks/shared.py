@@ -15,8 +15,8 @@
    releases; a process's set-up is not counted), timeouts, and the most
    holders seen at once by the workers themselves.
 
-Every worker waits with the Locker's defaults (PostgreSQL: writers in the fair
-queue with NOTIFY; shared leases poll, this process's threads in a local line).
+Every worker waits with the Locker's defaults (PostgreSQL: readers, semaphore
+waiters and writers in one fair queue with NOTIFY hand-over, migration 0008).
 With no --url (and no DBLOCK_TEST_URL) a throwaway PostgreSQL is started with pgserver.
 """
 
