@@ -605,6 +605,21 @@ def test_a_dead_writer_in_line_does_not_hold_up_the_readers_behind_it(pg: Db) ->
     done(r2)
 
 
+def test_a_polling_reader_finds_the_lease_a_release_handed_it(pg: Db) -> None:
+    """Without NOTIFY (notify=False) nobody wakes a queued reader: the release hands it the
+    lease all the same, and the reader's next look takes it up, token kept (as after a lost
+    notification or a lost reply, G6)."""
+    held = pg.locker().acquire("p", ttl=60)
+    reader = pg.locker(notify=False, poll_min=0.05, poll_max=0.2)
+    waiting = _in_thread(lambda: reader.readers("p").acquire(timeout=30))
+    wait_for(lambda: in_line(pg, "p") == 1, what="the reader to queue")
+    assert held.release()
+    ((token,),) = pg.query(f"SELECT token FROM {pg.table}_holders WHERE name = 'p'")
+    lease = _joined(waiting)
+    assert lease.token == token > held.token and lease.shared
+    assert lease.release() and holding(pg, "p") == 0
+
+
 def test_downgrading_0008_keeps_the_writers_in_line(pg: Db) -> None:
     """Down to 0007: shared waiters leave the line (they poll again), writers keep their places
     and the name's waiting count follows; 0007's functions are back. Up again: as before."""
