@@ -218,22 +218,19 @@ _ADMIT_MUTANTS = {
 }
 
 
-@pytest.mark.parametrize(
-    "broken, spec, error",
-    [
-        ("limit", {"limits": [2]}, "shared leases held at once"),
-        ("writer", {"limits": [None], "writers": 0.3}, "held together with"),
-    ],
-)
-def test_race_catches_a_mutant_of_the_queue(pg: Db, broken: str, spec: dict, error: str) -> None:
-    """The waiting race against a broken queue walk: the checks must fail."""
-    install_audit(pg)
+def break_admit(pg: Db, broken: str) -> None:
     ((definition,),) = pg.query(f"SELECT pg_get_functiondef('{pg.table}_admit'::regproc)")
     old, new = _ADMIT_MUTANTS[broken]
     assert definition.count(old) == 1
     pg.query(definition.replace(old, new))
-    grants = race(pg, {**spec, "wait": True}, ttl=warm_ttl(pg))
-    with pytest.raises(AssertionError, match=error):
+
+
+def test_race_catches_a_mutant_of_the_queue(pg: Db) -> None:
+    """The waiting race of a semaphore of 2 against a queue walk that ignores limits: the checks must fail."""
+    install_audit(pg)
+    break_admit(pg, "limit")
+    grants = race(pg, {"limits": [2], "wait": True}, ttl=warm_ttl(pg))
+    with pytest.raises(AssertionError, match="shared leases held at once"):
         check_race(pg, grants)
 
 
@@ -603,6 +600,31 @@ def test_a_dead_writer_in_line_does_not_hold_up_the_readers_behind_it(pg: Db) ->
     assert (holding(pg, "d"), in_line(pg, "d")) == (1, 0)
     assert granted(r2) > w0.token
     done(r2)
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: the walk admits a writer beside readers"])
+def test_a_queued_writer_waits_for_every_reader(pg: Db, variant: str) -> None:
+    """Two readers hold, a writer waits: the first reader's release leaves the writer in line
+    (its walk stops at a writer while anyone holds); the last reader's hands it the name. The
+    broken walk is caught by the same checks."""
+    if variant != "dblock":
+        break_admit(pg, "writer")
+    locker = pg.locker()
+    r1, r2 = locker.readers("w").try_acquire(ttl=60), locker.readers("w").try_acquire(ttl=60)
+    assert r1 is not None and r2 is not None
+    writer = _in_thread(lambda: _raises(lambda: locker.acquire("w", ttl=60, timeout=30)) or "granted")
+    wait_for(lambda: in_line(pg, "w") == 1, what="the writer to queue")
+    assert r1.release()
+    owner = pg.query(f"SELECT owner FROM {pg.table} WHERE name = 'w'")[0][0]
+    if variant != "dblock":
+        assert owner != SHARED[1:-1], "the broken walk should have admitted the writer beside R2"
+        assert r2.release() is False  # the writer took the name over
+        _joined(writer)
+        return
+    assert (owner, holding(pg, "w"), in_line(pg, "w")) == (SHARED[1:-1], 1, 1)
+    assert r2.release()
+    assert _joined(writer) == "granted"
+    assert pg.query(f"SELECT owner <> {SHARED}, waiting FROM {pg.table} WHERE name = 'w'") == [(True, 0)]
 
 
 def test_a_polling_reader_finds_the_lease_a_release_handed_it(pg: Db) -> None:

@@ -197,9 +197,12 @@ BEGIN
                 expires_at = CASE WHEN k.owner = {s} AND k.expires_at > now() THEN greatest(k.expires_at, e) ELSE e END,
                 waiting = k.waiting - dropped - 1
             WHERE k.name = p_name;
+            -- (A holder row of the same owner cannot be live here: a grant takes the waiter
+            -- out of the line. Were one left, the grant notified is the one that stands.)
             INSERT INTO {h} AS x (name, owner, token, acquired_at, expires_at, label, lim)
             VALUES (p_name, v.owner, tok, now(), e, v.label, v.lim)
-            ON CONFLICT (name, owner) DO NOTHING;
+            ON CONFLICT (name, owner) DO UPDATE SET token = excluded.token, acquired_at = excluded.acquired_at,
+                expires_at = excluded.expires_at, label = excluded.label, lim = excluded.lim;
             dropped := 0;
             n := n + 1;
             m := least(m, v.lim);
@@ -326,7 +329,7 @@ BEGIN
         RETURN;
     END IF;
     -- Under the row's lock: every statement from here on sees what committed before.
-    SELECT k.owner, k.token, k.expires_at INTO l FROM {t} AS k WHERE k.name = p_name FOR UPDATE;
+    SELECT k.owner, k.token, k.expires_at, k.waiting INTO l FROM {t} AS k WHERE k.name = p_name FOR UPDATE;
     IF l.owner = p_owner THEN
         -- Handed to us by a release we have not heard of yet, or granted by an
         -- attempt whose reply was lost (G6): the token is kept, the expiry renewed
@@ -340,14 +343,15 @@ BEGIN
     IF l.owner IS NULL OR l.owner = {s} OR l.expires_at <= now() THEN
         -- Free (or run out unreleased: the first in line may be asleep), or held by
         -- readers: the line goes first, from its head (us, if we are first).
-        gave := {admit}(p_name, 0, p_owner, false);
-        SELECT k.owner, k.token, k.expires_at INTO l FROM {t} AS k WHERE k.name = p_name;
+        IF l.waiting > 0 THEN
+            gave := {admit}(p_name, 0, p_owner, false);
+            SELECT k.owner, k.token, k.expires_at, k.waiting INTO l FROM {t} AS k WHERE k.name = p_name;
+        END IF;
         IF l.owner = p_owner THEN
             RETURN QUERY SELECT true, l.token, l.expires_at, NULL::float8, NULL::bigint, 0, NULL::float8;
             RETURN;
         END IF;
-        IF NOT queued AND (l.owner IS NULL OR l.expires_at <= now())
-           AND NOT EXISTS (SELECT FROM {w} AS x WHERE x.name = p_name) THEN
+        IF NOT queued AND (l.owner IS NULL OR l.expires_at <= now()) AND l.waiting = 0 THEN
             -- Free and nobody waits: ours. nextval() after the row lock (G2).
             UPDATE {t} AS k SET owner = p_owner, token = nextval('{seq}'), acquired_at = now(),
                 expires_at = clock_timestamp() + p_ttl {ttl}, label = p_label
