@@ -218,7 +218,8 @@ def expire_now(lease: Lease | AsyncLease) -> None:
     t = locks_table(locker.table, locker.schema)
     h = holders_table(locker.table, locker.schema)
     # acquired_at is in the past on every backend's clock: an expiry there has passed.
-    if lease.shared:  # a reader's or semaphore holder's: its holder row, and the name's row after it
+    shared = bool(getattr(lease, "shared", False))
+    if shared:  # a reader's or semaphore holder's: its holder row, and the name's row after it
         stmt = (
             update(h)
             .where(h.c.name == lease.name, h.c.owner == lease.owner, h.c.token == lease.token)
@@ -233,7 +234,7 @@ def expire_now(lease: Lease | AsyncLease) -> None:
     with locker.engine.begin() as conn:
         if conn.execute(stmt).rowcount != 1:
             raise LeaseLost(f"cannot expire the lease on {lease.name!r} (token {lease.token}): it already ended")
-        if lease.shared:
+        if shared:
             # The name's row ends with its last holder (the latest expiry, now maybe past).
             latest = select(func.max(h.c.expires_at)).where(h.c.name == lease.name).scalar_subquery()
             conn.execute(update(t).where(t.c.name == lease.name, t.c.owner == SHARED_OWNER).values(expires_at=latest))

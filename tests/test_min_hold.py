@@ -26,7 +26,6 @@ from dblock._core import when
 from .conftest import Db, libpq_dsn, wait_for, warm_waiting
 from .pgproxy import PgProxy
 from .test_waiting import count_statements, in_thread, joined, queue
-from .test_waiting import proxy as proxy  # the fixture: a PgProxy before the test's PostgreSQL
 from .workers import run_together
 
 HERE = Path(__file__).resolve().parent

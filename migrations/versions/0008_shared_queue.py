@@ -378,7 +378,8 @@ BEGIN
         extract(epoch FROM l.expires_at - now())::float8, me, {ahead}, extract(epoch FROM now())::float8;
 END $$""",
         # handoff: a writer's release when waiters are queued (0005's contract): one row
-        # (token, notified) when owner's lease with that token ended; zero rows: not ours (G3).
+        # (token, notified) when owner's lease with that token ended (token: the grant it
+        # handed over, if any); zero rows: not ours (G3).
         f"""
 CREATE OR REPLACE FUNCTION {handoff}(p_name text, p_owner text, p_token bigint)
 RETURNS TABLE (token bigint, notified boolean)
@@ -393,7 +394,12 @@ BEGIN
         RETURN;
     END IF;
     gave := {admit}(p_name, 0, NULL, true);
-    RETURN QUERY SELECT p_token, gave > 0;
+    IF gave > 0 THEN
+        -- As 0005's: the token of the grant it made (of the newest, when it admitted readers).
+        RETURN QUERY SELECT k.token, true FROM {t} AS k WHERE k.name = p_name;
+    ELSE
+        RETURN QUERY SELECT p_token, false;
+    END IF;
 END $$""",
         # cancel: a waiter leaves, writer or not (0005's contract): its seq, or every entry of
         # its owner when seq is NULL. One row (granted, token, expires_at): granted means a
