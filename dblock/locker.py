@@ -1004,9 +1004,10 @@ class Keeper:
         finally:
             state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
         state.held_until = outcome.held_until
-        if not locker._queued and outcome.held_until is None:  # fair waiters are handed the lease by the release itself
-            locker._hot.released(name)
-        locker._shared_hot.released(name)  # shared waiters always poll
+        if not locker._queued:  # fair waiters (shared ones too) are handed the lease by the release itself
+            if outcome.held_until is None:
+                locker._hot.released(name)
+            locker._shared_hot.released(name)
         return outcome.ended
 
     def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
