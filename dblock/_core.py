@@ -139,6 +139,31 @@ def cancelled(rows: Rows) -> Grant | None:
     return None
 
 
+def owned_token(rows: Rows, cancelled_rows: bool) -> int | None:
+    """After an attempt whose reply was lost: the token of the lease its owner holds, or None.
+
+    ``rows`` came from ``statements.cancel`` (``cancelled_rows``: PostgreSQL,
+    where it also took the owner out of the fair queue, exclusive or shared
+    waiter alike) or else from ``owned`` / ``share_owned``. Both faces end
+    that lease, with the shared statements for a shared attempt.
+    """
+    if cancelled_rows:
+        grant = cancelled(rows)
+        return None if grant is None else grant.token
+    return rows[0][0] if rows else None
+
+
+def shared_kind(limit: int | None | bool) -> bool:
+    """Whether a wait's ``limit`` asks for a shared lease: False is the exclusive lock's,
+    None a reader's, an int a semaphore's (the ``limit`` of both faces' waiting loops)."""
+    return limit is not False
+
+
+def limit_bind(limit: int | None | bool) -> int | None:
+    """The ``limit`` bind of ``statements.share_enqueue`` / ``share_acquire`` for a wait's ``limit``."""
+    return None if isinstance(limit, bool) else limit
+
+
 class Ended(NamedTuple):
     """A release's outcome. ``ended``: this call ended the lease or, for a lease with a
     minimum hold, kept it until ``held_until`` (database time; None: it ended now).
