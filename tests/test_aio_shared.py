@@ -287,6 +287,24 @@ async def test_a_cancelled_waiting_reader_leaves_the_line_and_holds_nothing(db: 
         assert holding(db, "cancel") == 0 and writer_of(db, "cancel") == []  # nothing handed to it
 
 
+async def test_cancelling_a_reader_after_a_release_admitted_it_ends_that_lease(pg: Db) -> None:
+    """The writer's release admits the waiting reader in the database, but the reader's task
+    (polling once a minute, no NOTIFY) has not looked yet when it is cancelled: the
+    cancellation leaves the line and ends the shared lease it was handed."""
+    async with alocker(pg) as holder, alocker(pg, notify=False, poll_min=60.0, poll_max=60.0) as locker:
+        w = await holder.acquire("handed", ttl=60)
+        reader = asyncio.create_task(locker.readers("handed").acquire(ttl=60, timeout=120))
+        await until(lambda: in_line(pg, "handed") == 1, "the reader to queue")
+        assert await w.release()
+        assert (holding(pg, "handed"), in_line(pg, "handed")) == (1, 0)  # admitted by the release
+        assert not reader.done()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert holding(pg, "handed") == 0 and writer_of(pg, "handed") == []
+        assert await locker.try_acquire("handed", ttl=30) is not None  # free for a writer at once
+
+
 @pytest.mark.parametrize("options", [{}, {"notify": False}, {"fair": False}], ids=["fair", "fair-poll", "line"])
 async def test_cancellation_racing_a_hand_off_never_leaks_a_shared_lease(db: Db, options: dict) -> None:
     """A writer releases while the reader waiting behind it is being cancelled, at many offsets:
