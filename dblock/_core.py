@@ -33,7 +33,10 @@ and ``statement_deadline()`` between ``await asyncio.sleep`` /
 with ``statements.release``, or ``release_held`` (binding ``hold``) when
 ``holds(min_hold)``, decoding with ``ended()``; its renewal
 task schedules with ``until_due()``, ``retry_after()``, ``renewal_due()`` and
-``batch_deadline()`` and decodes ``extended()``.
+``batch_deadline()`` and decodes ``extended()``. Shared leases (read locks,
+semaphores) go through the same loops on both faces, told apart by the wait's
+``limit`` (``shared_kind()``, ``limit_bind()``): ``share_acquired()`` decodes an
+attempt, and after a lost reply ``owned_token()`` names the lease to end.
 """
 
 from __future__ import annotations
