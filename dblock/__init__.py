@@ -22,7 +22,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .aio import AsyncLease, AsyncLocker
+    from .aio import AsyncLease, AsyncLocker, AsyncShared
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseInfo
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "AsyncLease": ".aio",
     "AsyncLocker": ".aio",
+    "AsyncShared": ".aio",
     "current_lease": ".decorator",
     "check_lease": ".fencing",
     "commit_guard": ".fencing",
@@ -48,6 +49,7 @@ _LAZY = {
 __all__ = [
     "AsyncLease",
     "AsyncLocker",
+    "AsyncShared",
     "DBLockError",
     "DatabaseUnavailable",
     "FencedOut",

@@ -17,6 +17,7 @@ while any of its tasks waits in a fair queue.
 
 ``AsyncHotspot``: tasks of one AsyncLocker waiting for the same name (polling
 modes) queue up here, first come first served; only the head asks the database.
+Shared waiters (read locks, semaphores) have a line of their own, as threads do.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ class AsyncHotspot:
 
     def __init__(self) -> None:
         self._lines: dict[str, deque[asyncio.Event]] = {}
+        self._full: set[str] = set()  # names whose last grant here left a semaphore no free slot
 
     def join(self, name: str) -> asyncio.Event:
         """Queue up for ``name``; the returned Event is set when this task is the head."""
@@ -227,6 +229,7 @@ class AsyncHotspot:
             return
         if not line:
             del self._lines[name]  # idle names hold nothing
+            self._full.discard(name)
         elif was_head:
             line[0].set()
 
@@ -235,6 +238,17 @@ class AsyncHotspot:
         line = self._lines.get(name)
         if line:
             line[0].set()
+
+    def mark_full(self, name: str, full: bool) -> None:
+        """A grant of ``name`` here left no free slot (``full``), or some (as ``Hotspot.mark_full``)."""
+        if full and name in self._lines:
+            self._full.add(name)
+        else:
+            self._full.discard(name)
+
+    def full(self, name: str) -> bool:
+        """Whether the last grant of ``name`` here left no free slot."""
+        return name in self._full
 
     def __len__(self) -> int:
         return len(self._lines)

@@ -33,7 +33,10 @@ and ``statement_deadline()`` between ``await asyncio.sleep`` /
 with ``statements.release``, or ``release_held`` (binding ``hold``) when
 ``holds(min_hold)``, decoding with ``ended()``; its renewal
 task schedules with ``until_due()``, ``retry_after()``, ``renewal_due()`` and
-``batch_deadline()`` and decodes ``extended()``.
+``batch_deadline()`` and decodes ``extended()``. Shared leases (read locks,
+semaphores) go through the same loops on both faces, told apart by the wait's
+``limit`` (``shared_kind()``, ``limit_bind()``): ``share_acquired()`` decodes an
+attempt, and after a lost reply ``owned_token()`` names the lease to end.
 """
 
 from __future__ import annotations
@@ -137,6 +140,31 @@ def cancelled(rows: Rows) -> Grant | None:
     if rows and rows[0][0]:
         return Grant(rows[0][1], when(rows[0][2]))
     return None
+
+
+def owned_token(rows: Rows, cancelled_rows: bool) -> int | None:
+    """After an attempt whose reply was lost: the token of the lease its owner holds, or None.
+
+    ``rows`` came from ``statements.cancel`` (``cancelled_rows``: PostgreSQL,
+    where it also took the owner out of the fair queue, exclusive or shared
+    waiter alike) or else from ``owned`` / ``share_owned``. Both faces end
+    that lease, with the shared statements for a shared attempt.
+    """
+    if cancelled_rows:
+        grant = cancelled(rows)
+        return None if grant is None else grant.token
+    return rows[0][0] if rows else None
+
+
+def shared_kind(limit: int | None | bool) -> bool:
+    """Whether a wait's ``limit`` asks for a shared lease: False is the exclusive lock's,
+    None a reader's, an int a semaphore's (the ``limit`` of both faces' waiting loops)."""
+    return limit is not False
+
+
+def limit_bind(limit: int | None | bool) -> int | None:
+    """The ``limit`` bind of ``statements.share_enqueue`` / ``share_acquire`` for a wait's ``limit``."""
+    return None if isinstance(limit, bool) else limit
 
 
 class Ended(NamedTuple):

@@ -41,7 +41,7 @@ from ._core import OUTAGE_RETRY_MIN, Grant
 from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._redact import display_url
-from ._validate import check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, DBLockError, LeaseLost, LockNotAcquired
 from .lease import LeaseInfo, LeaseState, LeaseView
 from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
@@ -62,12 +62,12 @@ P = ParamSpec("P")
 RETRY = 0.5  # background clean-up: seconds between tries while the database stays away
 
 __all__ = [
-    "AsyncLease", "AsyncLocker", "AsyncOnLost",
+    "AsyncLease", "AsyncLocker", "AsyncOnLost", "AsyncShared",
     "check_lease", "commit_guard", "fence", "fenced", "fenced_read", "fenced_session", "fenced_update", "fenced_upsert",
 ]
 # Fenced writes on AsyncConnection / AsyncSession (``aio_fencing``), loaded on first use;
 # ``fenced`` (which only builds a statement) is the sync module's own.
-_FENCING = {name: ".aio_fencing" for name in __all__[3:]} | {"fenced": ".fencing"}
+_FENCING = {name: ".aio_fencing" for name in __all__[4:]} | {"fenced": ".fencing"}
 
 
 def __getattr__(name: str) -> Any:
@@ -87,13 +87,18 @@ class _Extended(NamedTuple):
 
 
 class _Try:
-    """What an acquire has done so far: whether it sent anything (cancelling it must clean up)."""
+    """What an acquire has done so far: whether it sent anything (cancelling it must clean up).
 
-    __slots__ = ("owner", "hold", "sent", "unsure")
+    ``limit``: what it asks for, as the waiting loops of both faces take it:
+    False the exclusive lock, None a reader's lease, an int a semaphore's.
+    """
 
-    def __init__(self, owner: str, hold: float = 0.0) -> None:
+    __slots__ = ("owner", "hold", "limit", "sent", "unsure")
+
+    def __init__(self, owner: str, hold: float = 0.0, limit: int | None | bool = False) -> None:
         self.owner = owner
         self.hold = hold  # the min_hold of the lease it gets
+        self.limit = limit
         self.sent = False  # a statement went out: it may have queued us, or granted us the lease
         self.unsure = False  # an attempt went unanswered: it may grant us the lease even later
 
@@ -150,6 +155,7 @@ class AsyncLocker:
         self._lapse = core.lapse(self.poll_max)
         self._heartbeat = AsyncHeartbeat(self._beat, self.poll_max) if self._queued else None
         self._hot = AsyncHotspot()
+        self._shared_hot = AsyncHotspot()  # tasks polling for a shared lease, per name (fair=False, SQLite)
         self._proc = queue_id()
         self._default_label = default_label()
         self._migrated: asyncio.Lock | None = None
@@ -235,19 +241,22 @@ class AsyncLocker:
         metrics.recorder.waited(self._sql.dialect, name, started, lease)
         return lease
 
-    async def _acquire(self, name: str, ttl: float, hold: float, timeout: float) -> AsyncLease:
+    async def _acquire(
+        self, name: str, ttl: float, hold: float, timeout: float, limit: int | None | bool = False
+    ) -> AsyncLease:
+        """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            attempt = _Try(secrets.token_hex(16), hold)
+            attempt = _Try(secrets.token_hex(16), hold, limit)
             lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._bound(deadline)))
             if lease is None:
                 raise LockNotAcquired(name, timeout)
         elif self._queued:
             owner = self._listener.owner_id() if self._listener is not None else secrets.token_hex(16)
-            attempt = _Try(owner, hold)
+            attempt = _Try(owner, hold, limit)
             lease = await self._guarded(name, ttl, attempt, self._wait_in_queue(name, attempt, ttl, timeout, deadline))
         else:
-            attempt = _Try(secrets.token_hex(16), hold)
+            attempt = _Try(secrets.token_hex(16), hold, limit)
             lease = await self._guarded(name, ttl, attempt, self._wait_in_line(name, attempt, ttl, timeout, deadline))
         return lease
 
@@ -292,6 +301,78 @@ class AsyncLocker:
             self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold  # type: ignore[arg-type]
         )
 
+    # -- shared leases -----------------------------------------------------
+    def semaphore(self, name: str, limit: int) -> AsyncShared:
+        """A counting semaphore: at most ``limit`` leases of ``name`` held at once (see ``Locker.semaphore``).
+
+        The returned ``AsyncShared`` has the verbs without the name:
+        ``await try_acquire()``, ``await acquire()``, ``async with lock()``.
+        """
+        check_name(name)
+        return AsyncShared(self, name, check_limit(limit))
+
+    def readers(self, name: str) -> AsyncShared:
+        """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
+
+        The write side is the exclusive lock of the same name (``acquire``,
+        ``lock``, or ``write_lock``). On PostgreSQL (``fair=True``) readers and
+        writers wait in one line, first come first served (see ``Locker.readers``).
+        """
+        check_name(name)
+        return AsyncShared(self, name, None)
+
+    def read_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``async with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
+        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def write_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``async with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
+        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    async def _share_try(
+        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: AsyncOnLost | None
+    ) -> AsyncLease | None:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        attempt = _Try(secrets.token_hex(16), limit=limit)
+        lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def _share_acquire(
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: AsyncOnLost | None,
+    ) -> AsyncLease:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        lease = await self._acquire(name, ttl, 0.0, timeout, limit)
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
     async def _guarded(self, name: str, ttl: float, attempt: _Try, work: Awaitable[T]) -> T:
         """Run an acquire; if it is cancelled, or cut off in doubt, end whatever it may have granted."""
         try:
@@ -300,13 +381,13 @@ class AsyncLocker:
             raise  # nothing was sent
         except (DatabaseUnavailable, LockNotAcquired) as exc:
             if attempt.sent and (attempt.unsure or isinstance(exc, DatabaseUnavailable)):
-                self._abandon(name, attempt.owner, ttl)
+                self._abandon(name, attempt.owner, ttl, attempt.limit)
             raise
         except asyncio.CancelledError:
             if attempt.sent:
                 # Leave the queue, and end a lease that was granted or handed to us
                 # meanwhile; shielded, so a second cancellation cannot stop it halfway.
-                job = self._spawn(self._forget_or_abandon(name, attempt.owner, ttl), cleanup=True)
+                job = self._spawn(self._forget_or_abandon(name, attempt.owner, ttl, attempt.limit), cleanup=True)
                 try:
                     await asyncio.shield(job)
                 except asyncio.CancelledError:
@@ -323,25 +404,49 @@ class AsyncLocker:
         await self._ensure_schema()
         sent_at = time.monotonic()
         attempt.sent = True
-        result = await self._driver.run(
-            self._sql.acquire,
-            {"name": name, "owner": attempt.owner, "ttl": ttl, "label": self._label()},
-            self._sql.holder,
-            deadline=deadline,
-            waiting=waiting,
-        )
-        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        shared = core.shared_kind(attempt.limit)
+        params = {"name": name, "owner": attempt.owner, "ttl": ttl, "label": self._label()}
+        if shared:  # a reader's or semaphore holder's lease (as ``Locker._share_attempt``)
+            result = await self._driver.run(
+                self._sql.share_acquire,
+                {**params, "limit": core.limit_bind(attempt.limit)},
+                self._sql.share_holder,
+                deadline=deadline,
+                waiting=waiting,
+            )
+            outcome, free = core.share_acquired(self._sql.dialect, result.rows, result.extra)
+            if isinstance(outcome, Grant):
+                self._shared_hot.mark_full(name, free is not None and free <= 0)
+        else:
+            result = await self._driver.run(self._sql.acquire, params, self._sql.holder, deadline=deadline, waiting=waiting)
+            outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
         if not isinstance(outcome, Grant):
             return None, outcome.wait
-        log.debug("granted %r token=%s", name, outcome.token)
-        return AsyncLease(self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold), None
+        log.debug("granted %r (limit %s) token=%s", name, attempt.limit, outcome.token)
+        lease = AsyncLease(
+            self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold, shared
+        )
+        return lease, None
 
     async def _wait_in_line(self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float) -> AsyncLease:
-        """Poll with backoff; this AsyncLocker's tasks waiting for ``name`` take turns (FIFO)."""
-        me = self._hot.join(name)
+        """Poll with backoff; this AsyncLocker's tasks waiting for ``name`` take turns (FIFO).
+
+        Shared waiters (``attempt.limit`` None or an int) have a local line of their own.
+        """
+        shared = core.shared_kind(attempt.limit)
+        hot = self._shared_hot if shared else self._hot
+        me = hot.join(name)
+        promoted = not me.is_set()  # others were ahead in this AsyncLocker's line
         try:
             if not await _wait_event(me, deadline - time.monotonic()):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
+            if promoted and shared and hot.full(name):
+                # The task ahead of us was just granted the semaphore's last free slot:
+                # look after a pause, or at once when this AsyncLocker releases one.
+                me.clear()
+                await _wait_event(
+                    me, min(core.backoff(self.poll_min, None, random.random()), max(deadline - time.monotonic(), 0))
+                )
             delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
             outage: DatabaseUnavailable | None = None
             while True:
@@ -367,14 +472,20 @@ class AsyncLocker:
                 delay = core.next_delay(delay, self.poll_max)
                 await _wait_event(me, min(pause, left))
         finally:
-            self._hot.leave(name, me)
+            hot.leave(name, me)
 
     async def _wait_in_queue(
         self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float
     ) -> AsyncLease:
-        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release."""
+        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release.
+
+        Readers and semaphore waiters (``attempt.limit`` None or an int) wait in
+        the same line as the name's writers (``statements.share_enqueue``), as
+        ``Locker._wait_in_queue`` does.
+        """
         await self._ensure_schema()
         owner = attempt.owner
+        shared = core.shared_kind(attempt.limit)
         listener, heartbeat = self._listener, self._heartbeat
         slot: AsyncSlot | None = None
         ident: tuple[int, str] | None = None
@@ -399,12 +510,12 @@ class AsyncLocker:
                 try:
                     rows = (
                         await self._driver.run(
-                            self._sql.enqueue,  # type: ignore[arg-type]
+                            self._sql.share_enqueue if shared else self._sql.enqueue,  # type: ignore[arg-type]
                             {
                                 "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                                 "proc": self._proc.get(), "lapse": self._lapse,
                                 "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                                "until": core.entry_lifetime(left), "seq": seq,
+                                "until": core.entry_lifetime(left), "seq": seq, "limit": core.limit_bind(attempt.limit),
                             },
                             deadline=self._bound(deadline),
                             waiting=True,
@@ -425,7 +536,9 @@ class AsyncLocker:
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
-                    return AsyncLease(self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold)
+                    return AsyncLease(
+                        self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold, shared
+                    )
                 wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
                 queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
@@ -462,7 +575,7 @@ class AsyncLocker:
                     )
                 ).rows
             except DatabaseUnavailable as exc:
-                self._abandon(name, owner, ttl)  # our entry dies with its own deadline anyway
+                self._abandon(name, owner, ttl, attempt.limit)  # our entry dies with its own deadline anyway
                 attempt.sent = False
                 raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
             handed = core.cancelled(rows)
@@ -471,8 +584,9 @@ class AsyncLocker:
                     lease = await self._handed(name, attempt, ttl, handed, queued_at, deadline)
                     if lease is not None:
                         return lease
-                else:  # we cannot tell when it was granted, so end it
-                    await self._end({"name": name, "owner": owner, "token": handed.token}, self._bound(deadline))  # no hold: never used
+                else:  # we cannot tell when it was granted, so end it (no hold: never used)
+                    key = {"name": name, "owner": owner, "token": handed.token}
+                    await self._end(key, self._bound(deadline), shared=shared)
             attempt.sent = False  # out of the queue, nothing held: nothing to clean up
             raise self._out_of_time(name, timeout, outage)
         finally:
@@ -489,85 +603,107 @@ class AsyncLocker:
         now = time.monotonic()
         trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
         expires_at, sent_at = handed.expires_at, trusted - ttl
+        shared = core.shared_kind(attempt.limit)
         if core.needs_refresh(trusted, now, ttl):
-            done = await self._extend(name, attempt.owner, handed.token, ttl, self._bound(deadline))
+            done = await self._extend(name, attempt.owner, handed.token, ttl, self._bound(deadline), shared)
             if done is None:
                 return None
             expires_at, sent_at = done
-        return AsyncLease(self, name, attempt.owner, handed.token, expires_at, ttl, sent_at, attempt.hold)
+        return AsyncLease(self, name, attempt.owner, handed.token, expires_at, ttl, sent_at, attempt.hold, shared)
 
     # -- the statements behind a lease's verbs -------------------------------
-    async def _extend(self, name: str, owner: str, token: int, ttl: float, deadline: float) -> _Extended | None:
+    # ``shared``: a reader's or semaphore holder's lease, whose verbs are the shared
+    # statements (as ``SharedKeeper``'s); otherwise the exclusive lock's.
+    async def _extend(
+        self, name: str, owner: str, token: int, ttl: float, deadline: float, shared: bool = False
+    ) -> _Extended | None:
         await self._ensure_schema()
         sent_at = time.monotonic()
         rows = (
             await self._driver.run(
-                self._sql.extend, {"name": name, "owner": owner, "token": token, "ttl": ttl}, deadline=deadline
+                self._sql.share_extend if shared else self._sql.extend,
+                {"name": name, "owner": owner, "token": token, "ttl": ttl},
+                deadline=deadline,
             )
         ).rows
         return _Extended(core.when(rows[0][0]), sent_at) if rows else None
 
-    async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0) -> core.Ended:
-        """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (as ``Locker._end``)."""
-        held = core.holds(hold)
-        if held:
+    async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
+        """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (as ``Locker._end``).
+        ``shared``: a reader's or semaphore holder's lease (no hold)."""
+        held = core.holds(hold) and not shared
+        if shared:
+            result = await self._driver.run(self._sql.share_release, key, deadline=deadline)
+        elif held:
             result = await self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
         else:
             result = await self._driver.run(self._sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
-            return core.ended((await self._driver.run(self._sql.released, key, deadline=deadline)).rows, held=False)
+            released = self._sql.share_released if shared else self._sql.released
+            return core.ended((await self._driver.run(released, key, deadline=deadline)).rows, held=False)
         return core.ended(rows, held)
 
-    async def _release(self, name: str, owner: str, token: int, state: LeaseState, hold: float) -> bool:
+    async def _release(
+        self, name: str, owner: str, token: int, state: LeaseState, hold: float, shared: bool = False
+    ) -> bool:
         await self._ensure_schema()
         state.released = True  # before the statement: renewal must not take the cleared row for a loss
         key = {"name": name, "owner": owner, "token": token}
         ended: bool | None = None
         try:
-            outcome = await self._end(key, self._deadline(), hold)
+            outcome = await self._end(key, self._deadline(), hold, shared=shared)
             ended = outcome.ended
         except DatabaseUnavailable:
             self._later(
-                f"the lease on {name!r} (token {token})", lambda: self._end(key, self._deadline(), hold), state.ttl
+                f"the lease on {name!r} (token {token})",
+                lambda: self._end(key, self._deadline(), hold, shared=shared),
+                state.ttl,
             )
             raise
         finally:
             state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
         state.held_until = outcome.held_until
-        if not self._queued and outcome.held_until is None:
+        if not self._queued and outcome.held_until is None:  # fair waiters are handed the lease by the release
             self._hot.released(name)
+            self._shared_hot.released(name)
         return outcome.ended
 
-    async def _forget(self, name: str, owner: str) -> None:
-        """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
-        if self._sql.cancel is not None:
+    async def _forget(self, name: str, owner: str, shared: bool = False) -> None:
+        """Take ``owner`` out of ``name``'s queue, and end its lease (``shared``: its shared lease) if it holds one."""
+        if self._sql.cancel is not None:  # PostgreSQL: exclusive and shared waiters alike
             rows = (
                 await self._driver.run(
                     self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
                 )
             ).rows
-            grant = core.cancelled(rows)
-            token = None if grant is None else grant.token
         else:
             rows = (
                 await self._driver.run(
-                    self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
+                    self._sql.share_owned if shared else self._sql.owned,  # type: ignore[arg-type]
+                    {"name": name, "owner": owner},
+                    deadline=self._deadline(),
                 )
             ).rows
-            token = rows[0][0] if rows else None
+        token = core.owned_token(rows, self._sql.cancel is not None)
         if token is not None:
-            await self._end({"name": name, "owner": owner, "token": token}, self._deadline())
+            await self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=shared)
 
-    async def _forget_or_abandon(self, name: str, owner: str, ttl: float) -> None:
+    async def _forget_or_abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
         try:
-            await self._forget(name, owner)
+            await self._forget(name, owner, core.shared_kind(limit))
         except DBLockError:
-            self._abandon(name, owner, ttl)
+            self._abandon(name, owner, ttl, limit)
 
-    def _abandon(self, name: str, owner: str, ttl: float) -> None:
-        """An attempt for ``owner`` went unanswered: end in the background whatever it granted."""
-        self._later(f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner), ttl)
+    def _abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
+        """An attempt for ``owner`` went unanswered: end in the background whatever it granted.
+
+        ``limit`` False: an exclusive attempt; None or an int: a shared one (as ``Locker._abandon``).
+        """
+        shared = core.shared_kind(limit)
+        self._later(
+            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner, shared), ttl
+        )
 
     def _later(self, what: str, end: Callable[[], Awaitable[object]], ttl: float) -> None:
         """Call ``end()`` in the background until it succeeds, or the lease would have expired anyway."""
@@ -614,7 +750,9 @@ class AsyncLocker:
 
     # -- renewal -----------------------------------------------------------
     def _renew(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> asyncio.Task[None]:
-        return self._spawn(self._renewing(weakref.ref(lease), lease.name, lease.owner, lease.token, state, on_lost))
+        return self._spawn(
+            self._renewing(weakref.ref(lease), lease.name, lease.owner, lease.token, state, on_lost, lease.shared)
+        )
 
     async def _renewing(
         self,
@@ -624,6 +762,7 @@ class AsyncLocker:
         token: int,
         state: LeaseState,
         on_lost: AsyncOnLost | None,
+        shared: bool = False,
     ) -> None:
         """Extend the lease every ttl/3 (as ``renew.Renewer`` does, one task per lease) until it ends.
 
@@ -640,7 +779,9 @@ class AsyncLocker:
                     self._lose(ref, state, on_lost, "the database did not answer before its trusted time ran out")
                     return
                 try:
-                    done = await self._extend(name, owner, token, state.ttl, min(now + self.op_timeout, state.trusted_until))
+                    done = await self._extend(
+                        name, owner, token, state.ttl, min(now + self.op_timeout, state.trusted_until), shared
+                    )
                 except DBLockError as exc:
                     if state.ended():
                         return
@@ -687,10 +828,7 @@ class AsyncLocker:
         check_name(lease.name)
         await self._ensure_schema()
         key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
-        if lease.shared:  # a reader's or semaphore holder's lease (migration 0007)
-            ended = bool((await self._driver.run(self._sql.share_release, key, deadline=self._deadline())).rows)
-        else:
-            ended = (await self._end(key, self._deadline())).ended
+        ended = (await self._end(key, self._deadline(), shared=lease.shared)).ended
         if ended:
             release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
         return ended
@@ -784,7 +922,7 @@ class AsyncLease(LeaseView):
     this holder learns that the lease is gone without its release.
     """
 
-    __slots__ = ("_locker", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
+    __slots__ = ("_locker", "name", "owner", "token", "_min_hold", "_shared", "_state", "_renewal", "__weakref__")
 
     def __init__(
         self,
@@ -796,9 +934,11 @@ class AsyncLease(LeaseView):
         ttl: float,
         sent_at: float,
         min_hold: float = 0.0,
+        shared: bool = False,
     ) -> None:
         self._locker = locker
         self._min_hold = min_hold
+        self._shared = shared  # its verbs send the shared statements (share_release, share_extend)
         self.name = name
         self.owner = owner
         self.token = token
@@ -812,6 +952,11 @@ class AsyncLease(LeaseView):
         return self._locker
 
     @property
+    def shared(self) -> bool:
+        """True for a read lock's or semaphore's lease; False for the exclusive (write) lock's."""
+        return self._shared
+
+    @property
     def lost(self) -> asyncio.Event:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost  # type: ignore[return-value]
@@ -821,7 +966,7 @@ class AsyncLease(LeaseView):
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         if self._state.released:
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
-        done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline())
+        done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline(), self._shared)
         if done is None:
             if not self._state.released:
                 self._state.lose()
@@ -842,7 +987,7 @@ class AsyncLease(LeaseView):
             # A held lease keeps its owner: an extend in flight landing after the release
             # would push the hold out. Cancelled, it ends (or is cancelled on the server) first.
             await asyncio.wait([renewal], timeout=self._locker.op_timeout)
-        return await self._locker._release(self.name, self.owner, self.token, self._state, self._min_hold)
+        return await self._locker._release(self.name, self.owner, self.token, self._state, self._min_hold, self._shared)
 
     def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
         """Extend this lease every ttl/3 in a task until it is released or lost.
@@ -887,7 +1032,7 @@ class AsyncLease(LeaseView):
 
 
 class _AsyncLockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire")
 
     def __init__(
         self,
@@ -898,16 +1043,23 @@ class _AsyncLockContext:
         renew: bool,
         on_lost: AsyncOnLost | None,
         hold: float = 0.0,
+        acquire: Callable[..., Awaitable[AsyncLease]] | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
         self._renew, self._on_lost, self._hold = renew, on_lost, hold
         self._lease: AsyncLease | None = None
+        self._acquire = acquire  # an AsyncShared's acquire (bound to its name); None: the exclusive lock's
 
     async def __aenter__(self) -> AsyncLease:
-        self._lease = await self._locker.acquire(
-            self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
-            min_hold=self._hold,
-        )
+        if self._acquire is not None:
+            self._lease = await self._acquire(
+                ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+            )
+        else:
+            self._lease = await self._locker.acquire(
+                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
+                min_hold=self._hold,
+            )
         return self._lease
 
     async def __aexit__(
@@ -916,3 +1068,64 @@ class _AsyncLockContext:
         lease, self._lease = self._lease, None
         if lease is not None:
             await lease.__aexit__(exc_type, exc, tb)
+
+
+class AsyncShared:
+    """Shared leases of one name, for asyncio code: at most ``limit`` at once (None: a read lock's
+    readers, no limit). The twin of ``dblock.Shared``; every lease it grants is an ``AsyncLease``
+    whose ``shared`` is True, with a token of its own, larger than every earlier grant of the name.
+    """
+
+    __slots__ = ("locker", "name", "limit")
+
+    def __init__(self, locker: AsyncLocker, name: str, limit: int | None) -> None:
+        self.locker, self.name, self.limit = locker, name, limit
+
+    async def try_acquire(
+        self, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
+    ) -> AsyncLease | None:
+        """One attempt: an AsyncLease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
+        return await self.locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+
+    async def acquire(
+        self,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> AsyncLease:
+        """Wait up to ``timeout`` seconds; ``LockNotAcquired`` after.
+
+        On PostgreSQL with ``fair=True`` the task waits in the name's fair
+        queue, in one line with writers, and a release hands it the lease
+        (woken by the AsyncLocker's listener); otherwise it polls with
+        backoff, never past a known expiry. Cancelling the task leaves the
+        queue and releases a lease granted meanwhile, as ``AsyncLocker.acquire``.
+        """
+        return await self.locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+
+    def lock(
+        self,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``async with sem.lock() as lease:`` acquires, and releases on exit (also on error)."""
+        check_renew(renew, on_lost)
+        return _AsyncLockContext(
+            self.locker,
+            self.name,
+            None if ttl is None else check_ttl(ttl),
+            None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
+            0.0,
+            acquire=self.acquire,
+        )
+
+    def __repr__(self) -> str:
+        kind = "readers" if self.limit is None else f"semaphore limit={self.limit}"
+        return f"<AsyncShared {self.name!r} {kind}>"

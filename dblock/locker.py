@@ -274,7 +274,7 @@ class Locker:
 
         ``limit`` False: an exclusive attempt; None or an int: a shared one.
         """
-        forget = self._forget if limit is False else self._forget_shared
+        forget = self._forget_shared if core.shared_kind(limit) else self._forget
         self._cleanup.add(
             f"a possible grant of {name!r} to owner {owner[:8]}", lambda: forget(name, owner), time.monotonic() + ttl
         )
@@ -285,11 +285,9 @@ class Locker:
             rows = self._driver.run(
                 self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
             ).rows
-            grant = core.cancelled(rows)
-            token = None if grant is None else grant.token
         else:
             rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
-            token = rows[0][0] if rows else None
+        token = core.owned_token(rows, self._sql.cancel is not None)
         if token is not None:
             self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=True)
 
@@ -299,13 +297,11 @@ class Locker:
             rows = self._driver.run(
                 self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
             ).rows
-            grant = core.cancelled(rows)
-            token = None if grant is None else grant.token
         else:
             rows = self._driver.run(
                 self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
             ).rows
-            token = rows[0][0] if rows else None
+        token = core.owned_token(rows, self._sql.cancel is not None)
         if token is not None:
             self._end({"name": name, "owner": owner, "token": token}, self._deadline())
 
@@ -400,7 +396,7 @@ class Locker:
         semaphore): for a shared lease, in the same line as the name's writers.
         """
         self._ensure_schema()
-        shared = limit is not False
+        shared = core.shared_kind(limit)
         listener, heartbeat = self._listener, self._heartbeat
         slot, ident = None, None
         if listener is not None:
@@ -430,7 +426,7 @@ class Locker:
                             "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                             "proc": self._proc_id(), "lapse": self._lapse,
                             "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                            "until": core.entry_lifetime(left), "seq": seq, "limit": None if limit is False else limit,
+                            "until": core.entry_lifetime(left), "seq": seq, "limit": core.limit_bind(limit),
                         },
                         deadline=self._bound(deadline),
                         waiting=True,

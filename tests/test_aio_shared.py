@@ -1,0 +1,466 @@
+"""Shared leases (read locks, counting semaphores) on the asyncio face, on real PostgreSQL and SQLite.
+
+The twin of test_shared.py for ``AsyncLocker.readers`` / ``semaphore`` / ``read_lock``:
+the same grant rule, the fair line on PostgreSQL (readers and writers in arrival order,
+a writer's release admitting the readers queued behind it in its own statement), and
+what only asyncio has: cancelling a waiting task leaves the line and ends a shared
+lease granted meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from dblock import AsyncLease, AsyncLocker, AsyncShared, DatabaseUnavailable, Locker, LockNotAcquired
+from dblock import _core as core
+
+from .conftest import Db
+
+pytestmark = pytest.mark.asyncio
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def alocker(db: Db, **options: Any) -> AsyncLocker:
+    options.setdefault("table", db.table)
+    return AsyncLocker(db.url, **options)
+
+
+def holding(db: Db, name: str) -> int:
+    """Live shared leases of ``name``, by the database's clock."""
+    now = "now()" if db.backend == "postgresql" else "((julianday('now') - 2440587.5) * 86400.0)"
+    return db.query(f"SELECT count(*) FROM {db.table}_holders WHERE name = %s AND expires_at > {now}", (name,))[0][0]
+
+
+def in_line(db: Db, name: str) -> int:
+    if db.backend != "postgresql":
+        return 0
+    return db.query(f"SELECT count(*) FROM {db.table}_waiters WHERE name = %s", (name,))[0][0]
+
+
+def writer_of(db: Db, name: str) -> list[tuple]:
+    """The exclusive (write) lease of ``name``, if one is held: [(owner, token)]."""
+    return db.query(
+        f"SELECT owner, token FROM {db.table} WHERE name = %s AND owner IS NOT NULL AND owner <> '*shared'", (name,)
+    )
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for something that must happen; fail if it does not within ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- the grant rule --------------------------------------------------------------------
+async def test_readers_share_and_exclude_a_writer(db: Db) -> None:
+    async with alocker(db) as locker:
+        r1 = await locker.readers("doc").try_acquire(ttl=30)
+        r2 = await locker.readers("doc").try_acquire(ttl=30)
+        assert isinstance(r1, AsyncLease) and isinstance(r2, AsyncLease) and r1.shared and r2.shared
+        assert r2.token > r1.token and holding(db, "doc") == 2
+        assert await locker.try_acquire("doc", ttl=30) is None  # the write lock is the exclusive lock
+        with pytest.raises(LockNotAcquired):
+            async with locker.write_lock("doc", ttl=30, timeout=0):
+                pass
+        assert await r1.release() is True
+        assert await locker.try_acquire("doc", ttl=30) is None  # one reader left
+        assert await r2.release() is True and holding(db, "doc") == 0
+        w = await locker.try_acquire("doc", ttl=30)
+        assert w is not None and not w.shared and w.token > r2.token
+        assert await locker.readers("doc").try_acquire(ttl=30) is None
+        assert await locker.semaphore("doc", 5).try_acquire(ttl=30) is None
+        await w.release()
+
+
+async def test_read_lock_and_write_lock_contexts(db: Db) -> None:
+    async with alocker(db) as locker:
+        async with locker.read_lock("ctx", ttl=30) as r:
+            assert r.shared and holding(db, "ctx") == 1
+            async with locker.read_lock("ctx", ttl=30, timeout=5) as r2:
+                assert r2.shared and holding(db, "ctx") == 2
+        assert holding(db, "ctx") == 0
+        with pytest.raises(RuntimeError):
+            async with locker.semaphore("ctx", 1).lock(ttl=30):
+                raise RuntimeError("boom")
+        assert holding(db, "ctx") == 0  # released on error too
+        async with locker.write_lock("ctx", ttl=30) as w:
+            assert not w.shared and writer_of(db, "ctx") == [(w.owner, w.token)]
+        assert writer_of(db, "ctx") == []
+        assert repr(locker.semaphore("ctx", 3)) == "<AsyncShared 'ctx' semaphore limit=3>"
+        assert isinstance(locker.readers("ctx"), AsyncShared)
+
+
+async def test_a_semaphore_grants_at_most_its_limit(db: Db) -> None:
+    async with alocker(db) as locker:
+        sem = locker.semaphore("sem", 3)
+        leases = [await sem.try_acquire(ttl=30) for _ in range(3)]
+        assert all(lease is not None and lease.shared for lease in leases)
+        assert await sem.try_acquire(ttl=30) is None
+        with pytest.raises(LockNotAcquired):
+            await sem.acquire(ttl=30, timeout=0)
+        assert holding(db, "sem") == 3
+        assert leases[0] is not None and await leases[0].release()
+        again = await sem.try_acquire(ttl=30)
+        assert again is not None and again.token > max(lease.token for lease in leases if lease)
+
+
+async def test_disagreeing_limits_hold_to_the_smallest_live_one(db: Db) -> None:
+    async with alocker(db) as locker:
+        small = await locker.semaphore("mix", 2).try_acquire(ttl=30)
+        assert small is not None
+        big = locker.semaphore("mix", 5)
+        assert await big.try_acquire(ttl=30) is not None  # 1 < 2 and 1 < 5
+        assert await big.try_acquire(ttl=30) is None  # 2 live: the limit-2 holder would see 3
+        assert await locker.readers("mix").try_acquire(ttl=30) is None  # a reader too respects the live limit
+        with pytest.raises(LockNotAcquired):
+            await big.acquire(ttl=30, timeout=0.2)  # waiting does not get round it either
+        assert await small.release()
+        assert await big.try_acquire(ttl=30) is not None  # the limit-2 holder left: 5 binds now
+        assert await locker.semaphore("mix", 2).try_acquire(ttl=30) is None  # 2 live, its own limit is 2
+        assert await locker.semaphore("mix", 3).try_acquire(ttl=30) is not None
+
+
+async def test_more_waiting_tasks_than_slots_get_one_slot_per_release(db: Db) -> None:
+    """A semaphore of 3, full; 5 tasks wait. None is granted while it is full, and each
+    release lets exactly one of them in."""
+    async with alocker(db) as holder, alocker(db) as locker:
+        sem = holder.semaphore("slots", 3)
+        held = [await sem.try_acquire(ttl=60) for _ in range(3)]
+        waiting = [asyncio.create_task(locker.semaphore("slots", 3).acquire(ttl=60, timeout=60)) for _ in range(5)]
+        if db.backend == "postgresql":
+            await until(lambda: in_line(db, "slots") == 5, "five tasks to queue")
+        await asyncio.sleep(0.3)  # time for a wrong grant to happen
+        assert not any(t.done() for t in waiting) and holding(db, "slots") == 3
+        got: list[AsyncLease] = []
+        for n, lease in enumerate(held, 1):
+            assert lease is not None and await lease.release()
+            await until(lambda: sum(t.done() for t in waiting) >= n, f"release {n} to let a waiter in")
+            await asyncio.sleep(0.2)  # and no more than one
+            assert sum(t.done() for t in waiting) == n and holding(db, "slots") == 3
+        got = [t.result() for t in waiting if t.done()]
+        assert all(lease.shared for lease in got)
+        for lease in got:  # two left waiting: they get the freed slots
+            await lease.release()
+        rest = await asyncio.wait_for(asyncio.gather(*waiting), 60)
+        for lease in rest:
+            if lease not in got:
+                await lease.release()
+        assert holding(db, "slots") == 0 and in_line(db, "slots") == 0
+
+
+@pytest.mark.parametrize("variant", ["dblock", "broken: the acquire sends no limit"])
+async def test_concurrent_tasks_never_hold_more_than_the_limit(
+    db: Db, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10 tasks (each on an AsyncLocker of its own) take a semaphore of 3 twice each. Each counts
+    the holders when it gets in, by its own count and by the database's: never above 3. The
+    broken variant sends every acquire without its limit: the same checks must fail."""
+    if variant != "dblock":
+        monkeypatch.setattr(core, "limit_bind", lambda limit: None)
+    lockers = [alocker(db) for _ in range(10)]
+    now_holding, seen, db_seen = [0], [0], [0]
+
+    async def work(locker: AsyncLocker) -> None:
+        for _ in range(2):
+            async with locker.semaphore("many", 3).lock(ttl=30, timeout=60) as lease:
+                assert lease.shared
+                now_holding[0] += 1
+                seen[0] = max(seen[0], now_holding[0])
+                live = [info for info in await locker.leases() if info.name == "many"]
+                db_seen[0] = max(db_seen[0], len(live))
+                await asyncio.sleep(0.1)
+                now_holding[0] -= 1
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(work(locker) for locker in lockers)), 120)
+    finally:
+        for locker in lockers:
+            await locker.aclose()
+    if variant == "dblock":
+        assert seen[0] == db_seen[0] == 3  # the limit held, and was reached
+    else:
+        assert seen[0] > 3 and db_seen[0] > 3
+    assert holding(db, "many") == 0
+
+
+# -- the fair line (PostgreSQL) -------------------------------------------------------------
+async def test_a_writers_release_admits_the_queued_readers_in_its_own_statement(pg: Db) -> None:
+    """Four reader tasks wait behind a writer, looking once a minute at most; a writer task waits
+    behind them. The release admits the four (the holders table says so as soon as it returns),
+    not the writer, and its NOTIFY wakes them: each sent its one enqueue and nothing after."""
+    slow = {"poll_min": 60.0, "poll_max": 60.0}
+    async with alocker(pg, **slow) as readers, alocker(pg, **slow) as late, alocker(pg) as other:
+        held = await other.acquire("n", ttl=60)
+        sent: list[str] = []
+        execute = readers._driver._execute
+
+        async def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+            sent.append(sql)
+            return await execute(conn, sql, params)
+
+        readers._driver._execute = counted  # type: ignore[method-assign]
+        waits = []
+        for n in range(1, 5):
+            waits.append(asyncio.create_task(readers.readers("n").acquire(timeout=120)))
+            await until(lambda: in_line(pg, "n") == n, f"reader {n} to queue")
+        writer = asyncio.create_task(late.acquire("n", timeout=120))
+        await until(lambda: in_line(pg, "n") == 5, "the writer to queue")
+        assert await held.release()
+        assert (holding(pg, "n"), in_line(pg, "n")) == (4, 1)
+        leases = await asyncio.wait_for(asyncio.gather(*waits), 30)
+        assert sent == [readers._sql.share_enqueue] * 4  # one enqueue each: woken, never looking again
+        assert all(lease.shared for lease in leases) and min(lease.token for lease in leases) > held.token
+        assert not writer.done()
+        for lease in leases:
+            assert await lease.release()
+        w = await asyncio.wait_for(writer, 30)  # the last reader out handed it the name
+        assert not w.shared and w.token > max(lease.token for lease in leases)
+        await w.release()
+
+
+async def test_readers_and_a_writer_are_served_in_arrival_order(pg: Db) -> None:
+    """Behind a writer: reader, writer, reader. The first reader goes in alone (the second is
+    behind the writer); its release hands the name to the writer; the writer's, to the reader."""
+    async with alocker(pg) as locker, alocker(pg) as other:
+        w0 = await other.acquire("f", ttl=60)
+        kinds = ["read", "write", "read"]
+        tasks: list[asyncio.Task[AsyncLease]] = []
+        for kind in kinds:
+            waiting: Awaitable[AsyncLease] = (
+                locker.readers("f").acquire(ttl=60, timeout=60) if kind == "read" else locker.acquire("f", ttl=60, timeout=60)
+            )
+            tasks.append(asyncio.create_task(waiting))  # type: ignore[arg-type]
+            await until(lambda: in_line(pg, "f") == len(tasks), f"{kind} {len(tasks)} to queue")
+        r1, w2, r3 = tasks
+        assert await w0.release()
+        assert (holding(pg, "f"), in_line(pg, "f")) == (1, 2)  # R1 only: R3 is behind W2
+        l1 = await asyncio.wait_for(r1, 30)
+        assert l1.shared and not w2.done() and not r3.done()
+        assert await l1.release()  # the last reader out hands the name to W2
+        assert (holding(pg, "f"), in_line(pg, "f")) == (0, 1) and len(writer_of(pg, "f")) == 1
+        l2 = await asyncio.wait_for(w2, 30)
+        assert not l2.shared and writer_of(pg, "f") == [(l2.owner, l2.token)] and not r3.done()
+        assert await l2.release()  # a writer's release admits R3
+        assert (holding(pg, "f"), in_line(pg, "f")) == (1, 0)
+        l3 = await asyncio.wait_for(r3, 30)
+        assert w0.token < l1.token < l2.token < l3.token, "grants did not follow the line"
+        await l3.release()
+
+
+async def test_a_waiting_async_writer_holds_off_new_readers(pg: Db) -> None:
+    async with alocker(pg) as locker:
+        first = await locker.readers("q").try_acquire(ttl=30)
+        assert first is not None
+        writer = asyncio.create_task(locker.acquire("q", ttl=30, timeout=30))
+        await until(lambda: in_line(pg, "q") == 1, "the writer to queue")
+        assert await locker.readers("q").try_acquire(ttl=30) is None  # held off: the writer waits
+        with Locker(pg.url, table=pg.table) as sync:  # the sync face sees the same line
+            assert sync.readers("q").try_acquire(ttl=30) is None
+        assert await first.release()
+        w = await asyncio.wait_for(writer, 30)
+        assert w.token > first.token and await w.release()
+
+
+# -- cancellation ------------------------------------------------------------------------
+async def test_a_cancelled_waiting_reader_leaves_the_line_and_holds_nothing(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as locker:
+        w = await holder.acquire("cancel", ttl=30)
+        reader = asyncio.create_task(locker.readers("cancel").acquire(ttl=30, timeout=30))
+        if db.backend == "postgresql":
+            await until(lambda: in_line(db, "cancel") == 1, "the reader to queue")
+        else:
+            await asyncio.sleep(0.2)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert in_line(db, "cancel") == 0
+        assert await w.release()
+        assert holding(db, "cancel") == 0 and writer_of(db, "cancel") == []  # nothing handed to it
+
+
+async def test_cancelling_a_reader_after_a_release_admitted_it_ends_that_lease(pg: Db) -> None:
+    """The writer's release admits the waiting reader in the database, but the reader's task
+    (polling once a minute, no NOTIFY) has not looked yet when it is cancelled: the
+    cancellation leaves the line and ends the shared lease it was handed."""
+    async with alocker(pg) as holder, alocker(pg, notify=False, poll_min=60.0, poll_max=60.0) as locker:
+        w = await holder.acquire("handed", ttl=60)
+        reader = asyncio.create_task(locker.readers("handed").acquire(ttl=60, timeout=120))
+        await until(lambda: in_line(pg, "handed") == 1, "the reader to queue")
+        assert await w.release()
+        assert (holding(pg, "handed"), in_line(pg, "handed")) == (1, 0)  # admitted by the release
+        assert not reader.done()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert holding(pg, "handed") == 0 and writer_of(pg, "handed") == []
+        assert await locker.try_acquire("handed", ttl=30) is not None  # free for a writer at once
+
+
+@pytest.mark.parametrize("options", [{}, {"notify": False}, {"fair": False}], ids=["fair", "fair-poll", "line"])
+async def test_cancellation_racing_a_hand_off_never_leaks_a_shared_lease(db: Db, options: dict) -> None:
+    """A writer releases while the reader waiting behind it is being cancelled, at many offsets:
+    after the cancellation no shared lease is left to the cancelled task and the line is empty."""
+    if db.backend == "sqlite" and options:
+        pytest.skip("SQLite waits in the local line only: covered by the default case")
+    async with alocker(db, poll_min=0.001, poll_max=0.01, **options) as holder, alocker(db, **options) as locker:
+        granted_to_cancelled = 0
+        for i in range(20):
+            lease = await holder.acquire("race", ttl=30, timeout=10)
+            waiter = asyncio.create_task(locker.semaphore("race", 2).acquire(ttl=30, timeout=10))
+            await asyncio.sleep(0.05)  # queued
+            release = asyncio.create_task(lease.release())
+            await asyncio.sleep((i % 10) * 0.0005)
+            waiter.cancel()
+            await release
+            try:
+                got = await waiter
+            except asyncio.CancelledError:
+                pass
+            else:  # it won before the cancel landed: a live lease, ours to release
+                granted_to_cancelled += 1
+                assert got.shared and await got.release()
+            await until(lambda: holding(db, "race") == 0, f"round {i}: the shared lease to be ended")
+            assert in_line(db, "race") == 0 and writer_of(db, "race") == []
+        assert granted_to_cancelled < 20, "the cancellation never raced the hand-off"
+
+
+async def test_asyncio_timeout_around_a_reader_leaves_nothing_behind(db: Db) -> None:
+    async with alocker(db) as holder, alocker(db) as locker:
+        w = await holder.acquire("to", ttl=30)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(locker.read_lock("to", ttl=30).__aenter__(), 0.3)
+        assert in_line(db, "to") == 0
+        assert await w.release()
+        assert holding(db, "to") == 0
+
+
+async def test_a_lost_reply_to_a_shared_grant_is_ended_in_the_background(db: Db) -> None:
+    """The database grants a semaphore slot but its answer never arrives: the call raises, and
+    the clean-up ends that shared lease (with the shared statements) instead of leaving it to
+    its TTL."""
+    async with alocker(db) as locker:
+        await locker.leases()  # connected
+        run = locker._driver.run
+        grants: list[Any] = []
+
+        async def lose_the_grant(sql: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            result = await run(sql, params, *args, **kwargs)
+            if sql == locker._sql.share_acquire:
+                grants.append(result)
+                raise DatabaseUnavailable("the reply was lost (test)")
+            return result
+
+        locker._driver.run = lose_the_grant  # type: ignore[method-assign]
+        with pytest.raises(DatabaseUnavailable):
+            await locker.semaphore("doubt", 2).try_acquire(ttl=60)
+        (result,) = grants
+        assert core.share_acquired(locker._sql.dialect, result.rows, result.extra)[0].token > 0  # it was granted
+        await until(lambda: holding(db, "doubt") == 0, "the clean-up to end the unanswered grant")
+        assert in_line(db, "doubt") == 0
+
+
+# -- renewal and the lease's verbs ---------------------------------------------------------
+async def test_renewal_keeps_a_shared_lease_alive_past_its_ttl(db: Db) -> None:
+    async with alocker(db) as locker, alocker(db) as other:
+        lease = await locker.semaphore("ren", 1).try_acquire(ttl=0.3, renew=True)
+        assert lease is not None and lease.shared
+        await asyncio.sleep(1.2)  # four TTLs
+        assert not lease.lost.is_set() and lease.remaining() > 0
+        assert holding(db, "ren") == 1  # its row, by the database's clock
+        assert await other.semaphore("ren", 1).try_acquire(ttl=30) is None
+        assert await lease.release() is True
+        assert holding(db, "ren") == 0
+
+
+async def test_extend_and_a_stale_holder(db: Db) -> None:
+    """G3 for an async shared lease: extend works while it holds; once it ran out and the next
+    grant forgot it, its extend raises LeaseLost and its release changes nothing."""
+    from dblock import LeaseLost
+
+    async with alocker(db) as locker:
+        sem = locker.semaphore("st", 1)
+        lease = await sem.acquire(ttl=5, timeout=5)
+        await lease.extend(10)
+        assert lease.ttl == 10 and 9 < lease.remaining() <= 10
+        await lease.release()
+        stale = await sem.try_acquire(ttl=0.05)
+        assert stale is not None
+        await asyncio.sleep(0.1)
+        fresh = await sem.try_acquire(ttl=30)
+        assert fresh is not None and fresh.token > stale.token
+        before = db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner")
+        with pytest.raises(LeaseLost):
+            await stale.extend(30)
+        assert stale.lost.is_set()
+        assert await stale.release() is False
+        assert db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner") == before
+        (info,) = [i for i in await locker.leases() if i.name == "st"]
+        assert info.shared and info.limit == 1 and await locker.force_release(info) is True
+        assert holding(db, "st") == 0
+
+
+# -- G7: bad input refused before any SQL ---------------------------------------------------
+def everything(db: Db) -> tuple[list[tuple], list[tuple]]:
+    return db.rows(), db.query(f"SELECT name, owner, token FROM {db.table}_holders ORDER BY owner")
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "2", True, None, 2**31])
+async def test_g7_bad_limits_are_refused_and_change_nothing(db: Db, limit: object) -> None:
+    async with alocker(db) as locker:
+        before = everything(db)
+        with pytest.raises((TypeError, ValueError)):
+            locker.semaphore("x", limit)  # type: ignore[arg-type]
+        assert everything(db) == before
+
+
+@pytest.mark.parametrize(
+    "bad", [{"ttl": 0}, {"ttl": -1}, {"ttl": "1"}, {"ttl": float("nan")}, {"timeout": -1}, {"timeout": "1"}], ids=repr
+)
+async def test_g7_bad_ttls_and_timeouts_are_refused_and_change_nothing(db: Db, bad: dict) -> None:
+    async with alocker(db) as locker:
+        before = everything(db)
+        for side in (locker.semaphore("x", 2), locker.readers("x")):
+            with pytest.raises((TypeError, ValueError)):
+                await side.acquire(**bad)
+            with pytest.raises((TypeError, ValueError)):
+                side.lock(**bad)
+            if "timeout" not in bad:
+                with pytest.raises((TypeError, ValueError)):
+                    await side.try_acquire(**bad)
+        with pytest.raises((TypeError, ValueError)):
+            locker.read_lock("x", **bad)
+        with pytest.raises(ValueError):
+            await locker.readers("x").acquire(on_lost=print)  # on_lost without renew
+        assert everything(db) == before
+
+
+@pytest.mark.parametrize("name", ["", "x" * 256, "a\x00b", 5], ids=repr)
+async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+    async with alocker(db) as locker:
+        before = everything(db)
+        for make in (locker.readers, lambda n: locker.semaphore(n, 2), locker.read_lock, locker.write_lock):
+            with pytest.raises((TypeError, ValueError)):
+                make(name)  # type: ignore[operator]
+        assert everything(db) == before
+
+
+# -- the README ------------------------------------------------------------------------------
+async def test_readme_async_shared_example_runs(db: Db, capsys: pytest.CaptureFixture[str]) -> None:
+    section = (ROOT / "README.md").read_text().split("\n## asyncio\n", 1)[1].split("\n## ", 1)[0]
+    url = 'AsyncLocker("postgresql://app@db/reports")'
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if url in b]
+    namespace: dict[str, Any] = {}
+    exec(compile(block.replace(url, f"AsyncLocker({db.url!r}, table={db.table!r})"), "README.md", "exec"), namespace)
+    await namespace["shared"]()
+    out = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"\d+", "N", line) for line in out] == ["reading, token N", "one of N slots, token N"]
+    assert holding(db, "catalog") == holding(db, "api-quota") == 0
