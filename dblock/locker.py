@@ -274,36 +274,25 @@ class Locker:
 
         ``limit`` False: an exclusive attempt; None or an int: a shared one.
         """
-        forget = self._forget_shared if core.shared_kind(limit) else self._forget
+        shared = core.shared_kind(limit)
         self._cleanup.add(
-            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: forget(name, owner), time.monotonic() + ttl
+            f"a possible grant of {name!r} to owner {owner[:8]}",
+            lambda: self._forget(name, owner, shared),
+            time.monotonic() + ttl,
         )
 
-    def _forget_shared(self, name: str, owner: str) -> None:
-        """Take ``owner`` out of ``name``'s queue, and end its shared lease if it holds one."""
+    def _forget(self, name: str, owner: str, shared: bool = False) -> None:
+        """Take ``owner`` out of ``name``'s queue, and end its lease (a ``shared`` one) if it holds one."""
         if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
             rows = self._driver.run(
                 self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
             ).rows
         else:
-            rows = self._driver.run(self._sql.share_owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows
+            owned = self._sql.share_owned if shared else self._sql.owned
+            rows = self._driver.run(owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows  # type: ignore[arg-type]
         token = core.owned_token(rows, self._sql.cancel is not None)
         if token is not None:
-            self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=True)
-
-    def _forget(self, name: str, owner: str) -> None:
-        """Take ``owner`` out of ``name``'s queue, and end its lease if it holds one."""
-        if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
-            rows = self._driver.run(
-                self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
-            ).rows
-        else:
-            rows = self._driver.run(
-                self._sql.owned, {"name": name, "owner": owner}, deadline=self._deadline()  # type: ignore[arg-type]
-            ).rows
-        token = core.owned_token(rows, self._sql.cancel is not None)
-        if token is not None:
-            self._end({"name": name, "owner": owner, "token": token}, self._deadline())
+            self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=shared)
 
     def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
         """Sleep out a moment of an outage (never past ``deadline``); the next pause."""

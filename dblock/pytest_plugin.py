@@ -218,7 +218,7 @@ def expire_now(lease: Lease | AsyncLease) -> None:
     t = locks_table(locker.table, locker.schema)
     h = holders_table(locker.table, locker.schema)
     # acquired_at is in the past on every backend's clock: an expiry there has passed.
-    shared = bool(getattr(lease, "shared", False))
+    shared = lease.shared
     if shared:  # a reader's or semaphore holder's: its holder row, and the name's row after it
         stmt = (
             update(h)
