@@ -148,16 +148,22 @@ DECLARE
     given int := 0;
     n int;  -- live shared holders
     m int;  -- the smallest limit among them (NULL: none binds)
+    swept boolean := false;  -- holders that ran out are forgotten
     tok bigint;
     e timestamptz;
 BEGIN
     SELECT k.owner, k.expires_at INTO l FROM {t} AS k WHERE k.name = p_name;
     IF NOT p_free AND l.owner IS NOT NULL AND l.owner <> {s} AND l.expires_at > now() THEN
         n := NULL;  -- a writer holds: nobody in line can be granted
-    ELSE
+    ELSIF l.owner = {s} AND l.expires_at > now() THEN
         -- Holders that ran out are forgotten: their extend can no longer revive them.
         DELETE FROM {h} AS x WHERE x.name = p_name AND x.expires_at <= now();
+        swept := true;
         SELECT count(*), min(x.lim) INTO n, m FROM {h} AS x WHERE x.name = p_name;
+    ELSE
+        -- No live holder: while any lives the row shows *shared with an expiry no earlier
+        -- than its. (A writer's hand-over to a writer reads no holders at all.)
+        n := 0;
     END IF;
     IF n IS NOT NULL THEN
         FOR v IN SELECT x.* FROM {w} AS x WHERE x.name = p_name ORDER BY x.seq LOOP
@@ -190,6 +196,10 @@ BEGIN
                 EXIT;
             END IF;
             DELETE FROM {w} AS x WHERE x.name = p_name AND x.seq = v.seq;
+            IF NOT swept THEN
+                DELETE FROM {h} AS x WHERE x.name = p_name AND x.expires_at <= now();
+                swept := true;
+            END IF;
             tok := nextval('{seq}');
             e := clock_timestamp() + v.ttl {ttl};
             -- The name's row first: a writer whose release this is ends before the grant.
