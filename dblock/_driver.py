@@ -34,7 +34,9 @@ import time
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import psycopg
+from psycopg.adapt import AdaptersMap
 from psycopg.conninfo import conninfo_attempts
+from psycopg.types.numeric import Int8Dumper
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -442,7 +444,15 @@ def translate(exc: Exception, where: str, table: str) -> DBLockError:
 def connect_params(engine: Engine) -> dict[str, Any]:
     """psycopg connection parameters from a PostgreSQL engine's URL (the query's too)."""
     cargs, cparams = engine.dialect.create_connect_args(engine.url)
-    return {**dict(cparams), **_conninfo_args(cargs)}
+    params = {**dict(cparams), **_conninfo_args(cargs)}
+    # Every Python int is sent as a bigint (the statements cast where a column is narrower).
+    # psycopg's own choice, int2, int4 or int8 by the value, is part of a prepared
+    # statement's key: a token or a listener's pid past 32,767 would prepare it again, a
+    # round trip more. The engine's adapters (SQLAlchemy passes its own) are kept otherwise.
+    adapters = AdaptersMap(params.get("context") or psycopg.adapters)
+    adapters.register_dumper(int, Int8Dumper)
+    params["context"] = adapters
+    return params
 
 
 def host_attempts(conninfo: dict[str, Any]) -> list[dict[str, Any]]:

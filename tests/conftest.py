@@ -183,6 +183,10 @@ def warm_waiting(db: Db, locker: Locker) -> None:
     statement a wait sends: one-time set-up that statement counts leave out."""
     other = db.locker()
     other.try_acquire("warm", ttl=0.05)
+    locker.acquire("warm", timeout=30).release()  # the connection and the listener are open
+    # Queued, then a look at the expiry: the enqueue with no place in line yet and with one
+    # are two prepared statements (a NULL and an int differ in type).
+    other.try_acquire("warm", ttl=0.5)
     locker.acquire("warm", timeout=30).release()
     other.try_acquire("warm", ttl=60)
     with pytest.raises(dblock.LockNotAcquired):

@@ -263,3 +263,18 @@ def test_retry_survives_every_pooled_connection_dying(pg: Db) -> None:
     )
     lease = locker.try_acquire("after-restart")
     assert lease is not None and lease.release() is True
+
+
+def test_tokens_of_every_size_share_one_prepared_statement(pg: Db, proxy: PgProxy) -> None:
+    """Every int is sent as a bigint: psycopg would send int2 below 32,768 and int4 above, and a
+    prepared statement is keyed by its parameters' types, so releases whose tokens cross that
+    line would prepare the release again, a round trip more."""
+    locker = Locker(proxy.url, table=pg.table)
+    pg.query(f"SELECT setval('{pg.table}_token_seq', 32757)")
+    leases = [locker.try_acquire(f"n{i}", ttl=60) for i in range(20)]
+    assert [lease.token for lease in leases] == list(range(32758, 32778))  # 10 below 32,768, 10 above
+    proxy.reset()
+    for lease in leases:
+        assert lease.release()
+    assert proxy.round_trips == 20 + 1  # one round trip each, and one to prepare the release
+    locker.close()
