@@ -130,12 +130,17 @@ class Db:
     def drop(self) -> None:
         for locker in self.lockers:
             locker.close()
-        if self.backend == "postgresql":
+        if self.backend == "postgresql":  # everything dblock (and the audits) made for the table
+            t = self.table
             self.query(
-                f"DROP TABLE IF EXISTS {self.table}_audit, {self.table}, {self.table}_fences, {self.table}_holders, "
-                f"alembic_version_dblock_{self.table} CASCADE"
+                f"DROP TABLE IF EXISTS {t}_audit, {t}, {t}_fences, {t}_holders, {t}_waiters, {t}_procs, "
+                f"alembic_version_dblock_{t} CASCADE"
             )
-            self.query(f"DROP SEQUENCE IF EXISTS {self.table}_token_seq")
+            self.query(f"DROP SEQUENCE IF EXISTS {t}_token_seq")
+            for (function,) in self.query(
+                "SELECT oid::regprocedure::text FROM pg_proc WHERE starts_with(proname, %s)", (t + "_",)
+            ):
+                self.query(f"DROP FUNCTION IF EXISTS {function} CASCADE")
 
 
 @pytest.fixture
