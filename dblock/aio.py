@@ -1085,7 +1085,8 @@ class AsyncShared:
         self, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
     ) -> AsyncLease | None:
         """One attempt: an AsyncLease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
-        return await self.locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+        locker = self.locker
+        return await locker._measured(self.name, locker._share_try(self.name, self.limit, ttl, renew, on_lost))
 
     async def acquire(
         self,
@@ -1103,7 +1104,10 @@ class AsyncShared:
         backoff, never past a known expiry. Cancelling the task leaves the
         queue and releases a lease granted meanwhile, as ``AsyncLocker.acquire``.
         """
-        return await self.locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        locker = self.locker
+        return await locker._measured(
+            self.name, locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        )
 
     def lock(
         self,

@@ -897,7 +897,8 @@ class Shared:
 
     def try_acquire(self, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None) -> Lease | None:
         """One attempt: a Lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
-        return self.locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+        locker = self.locker
+        return locker._measured(self.name, lambda: locker._share_try(self.name, self.limit, ttl, renew, on_lost))
 
     def acquire(
         self, *, ttl: float | None = None, timeout: float | None = None, renew: bool = False, on_lost: OnLost | None = None
@@ -908,7 +909,10 @@ class Shared:
         one line with writers, and a release hands it the lease; otherwise it
         polls with backoff, never past a known expiry.
         """
-        return self.locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        locker = self.locker
+        return locker._measured(
+            self.name, lambda: locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        )
 
     def lock(
         self, *, ttl: float | None = None, timeout: float | None = None, renew: bool = False, on_lost: OnLost | None = None

@@ -370,3 +370,32 @@ def test_the_asyncio_face_records_the_same(db: Db, recorded: Metrics) -> None:
     assert recorded.count(TIMEOUTS) == 1
     assert recorded.count(HOLD, outcome="released") == 1 and recorded.count(HOLD, outcome="lost") == 1
     assert recorded.count(LOSSES) == 1
+
+
+def test_shared_leases_are_recorded_on_both_faces(db: Db, recorded: Metrics) -> None:
+    """Read locks and semaphore slots: grants, waits, timeouts and holds, as exclusive leases are."""
+    import asyncio
+
+    from dblock import AsyncLocker
+
+    locker = db.locker()
+    sem = locker.semaphore("quota", 1)
+    slot = sem.acquire(ttl=30, timeout=5)
+    assert sem.try_acquire() is None  # full: a busy try
+    with pytest.raises(LockNotAcquired):
+        sem.acquire(timeout=0.2)
+    with locker.read_lock("catalog", ttl=30):
+        pass
+    assert slot.release() is True
+
+    async def main() -> None:
+        async with AsyncLocker(db.url, table=db.table) as alocker:
+            async with alocker.read_lock("catalog", ttl=30):
+                pass
+            assert await alocker.semaphore("quota", 1).try_acquire(ttl=30) is not None
+
+    asyncio.run(main())
+    assert recorded.count(GRANTS, system=db.backend) == 4
+    assert recorded.count(WAIT, outcome="acquired") == 4 and recorded.count(WAIT, outcome="busy") == 1
+    assert recorded.count(TIMEOUTS) == 1 and recorded.count(WAIT, outcome="timeout") == 1
+    assert recorded.count(HOLD, outcome="released") == 3
