@@ -23,6 +23,7 @@ from .conftest import Db
 from .pgproxy import PgProxy
 from .test_faults import SLACK, SilentServer, silent  # noqa: F401 - the fixture
 from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
+from .workers import race_cancel_with_hand_off
 
 pytestmark = pytest.mark.asyncio
 
@@ -335,25 +336,12 @@ async def test_cancellation_racing_a_hand_off_never_leaks_the_lease(db: Db, opti
     if db.backend == "sqlite" and options:
         pytest.skip("SQLite waits in the local line only: covered by the default case")
     async with alocker(db, poll_min=0.001, poll_max=0.01, **options) as holder, alocker(db, **options) as locker:
-        granted_to_cancelled = 0
-        for i in range(30):
-            lease = await holder.acquire("race", ttl=30, timeout=10)
-            waiter = asyncio.create_task(locker.acquire("race", ttl=30, timeout=10))
-            await asyncio.sleep(0.05)  # queued
-            release = asyncio.create_task(lease.release())
-            await asyncio.sleep((i % 10) * 0.0005)
-            waiter.cancel()
-            await release
-            try:
-                got = await waiter
-            except asyncio.CancelledError:
-                pass
-            else:  # it won before the cancel landed: it is a live lease, ours to release
-                granted_to_cancelled += 1
-                await got.release()
+
+        async def check(i: int) -> None:
             assert held(db) == [], f"round {i}: the lease was left granted after the cancellation"
             assert queued(db) == 0
-        assert granted_to_cancelled < 30, "the cancellation never raced the hand-off"
+
+        await race_cancel_with_hand_off(holder, lambda: locker.acquire("race", ttl=30, timeout=10), 30, check)
 
 
 # -- faults ---------------------------------------------------------------------------

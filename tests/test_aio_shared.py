@@ -20,6 +20,7 @@ from dblock import AsyncLease, AsyncLocker, AsyncShared, DatabaseUnavailable, Lo
 from dblock import _core as core
 
 from .conftest import Db
+from .workers import race_cancel_with_hand_off
 
 pytestmark = pytest.mark.asyncio
 
@@ -312,25 +313,14 @@ async def test_cancellation_racing_a_hand_off_never_leaks_a_shared_lease(db: Db,
     if db.backend == "sqlite" and options:
         pytest.skip("SQLite waits in the local line only: covered by the default case")
     async with alocker(db, poll_min=0.001, poll_max=0.01, **options) as holder, alocker(db, **options) as locker:
-        granted_to_cancelled = 0
-        for i in range(20):
-            lease = await holder.acquire("race", ttl=30, timeout=10)
-            waiter = asyncio.create_task(locker.semaphore("race", 2).acquire(ttl=30, timeout=10))
-            await asyncio.sleep(0.05)  # queued
-            release = asyncio.create_task(lease.release())
-            await asyncio.sleep((i % 10) * 0.0005)
-            waiter.cancel()
-            await release
-            try:
-                got = await waiter
-            except asyncio.CancelledError:
-                pass
-            else:  # it won before the cancel landed: a live lease, ours to release
-                granted_to_cancelled += 1
-                assert got.shared and await got.release()
+
+        async def check(i: int) -> None:
             await until(lambda: holding(db, "race") == 0, f"round {i}: the shared lease to be ended")
             assert in_line(db, "race") == 0 and writer_of(db, "race") == []
-        assert granted_to_cancelled < 20, "the cancellation never raced the hand-off"
+
+        await race_cancel_with_hand_off(
+            holder, lambda: locker.semaphore("race", 2).acquire(ttl=30, timeout=10), 20, check
+        )
 
 
 async def test_asyncio_timeout_around_a_reader_leaves_nothing_behind(db: Db) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from typing import Any, Awaitable, Callable
 
 
 def run_together(commands: list[list[str]], *, timeout: float = 120, quiet: bool = False, **popen: object) -> list[str]:
@@ -45,3 +46,31 @@ def run_together(commands: list[list[str]], *, timeout: float = 120, quiet: bool
             p.kill()
             p.wait()
     return outs
+
+
+async def race_cancel_with_hand_off(
+    holder: Any, acquire: Callable[[], Awaitable[Any]], rounds: int, check: Callable[[int], Awaitable[None]]
+) -> None:
+    """The asyncio cancellation race: ``holder`` releases name "race" while the task waiting
+    behind it (``acquire()``) is being cancelled, at ``rounds`` offsets; ``check(i)`` runs after
+    round i. A lease the task won before its cancellation landed is released (it must be live)."""
+    import asyncio
+
+    granted_to_cancelled = 0
+    for i in range(rounds):
+        lease = await holder.acquire("race", ttl=30, timeout=10)
+        waiter = asyncio.create_task(acquire())
+        await asyncio.sleep(0.05)  # queued
+        release = asyncio.create_task(lease.release())
+        await asyncio.sleep((i % 10) * 0.0005)
+        waiter.cancel()
+        await release
+        try:
+            got = await waiter
+        except asyncio.CancelledError:
+            pass
+        else:  # it won before the cancel landed: a live lease, ours to release
+            granted_to_cancelled += 1
+            assert await got.release()
+        await check(i)
+    assert granted_to_cancelled < rounds, "the cancellation never raced the hand-off"
