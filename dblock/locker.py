@@ -212,17 +212,18 @@ class Locker:
             lease.start_renewal(on_lost)
         return lease
 
-    def _acquire(self, name: str, ttl: float, hold: float, timeout: float) -> Lease:
+    def _acquire(self, name: str, ttl: float, hold: float, timeout: float, limit: int | None | bool = False) -> Lease:
+        """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
         owner = secrets.token_hex(16)
         deadline = time.monotonic() + timeout
         if timeout <= 0:
-            lease = self._try(name, owner, ttl, hold, self._bound(deadline))
+            lease = self._try(name, owner, ttl, hold, self._bound(deadline), limit)
             if lease is None:
                 raise LockNotAcquired(name, timeout)
             return lease
         if self._queued:
-            return self._wait_in_queue(name, owner, ttl, hold, timeout, deadline)
-        return self._wait_in_line(name, owner, ttl, hold, timeout, deadline)
+            return self._wait_in_queue(name, owner, ttl, hold, timeout, deadline, limit)
+        return self._wait_in_line(name, owner, ttl, hold, timeout, deadline, limit)
 
     def _measured(self, name: str, acquire: Callable[[], R]) -> R:
         """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
@@ -235,14 +236,19 @@ class Locker:
         metrics.recorder.waited(self._sql.dialect, name, started, lease)
         return lease
 
-    def _try(self, name: str, owner: str, ttl: float, hold: float, deadline: float) -> Lease | None:
-        """One attempt: a Lease, or None if another owner holds ``name``."""
+    def _try(
+        self, name: str, owner: str, ttl: float, hold: float, deadline: float, limit: int | None | bool = False
+    ) -> Lease | None:
+        """One attempt: a Lease, or None if ``name`` is held (``limit`` as in ``_acquire``)."""
         try:
-            lease, _ = self._attempt(name, owner, ttl, deadline, hold=hold)
+            if core.shared_kind(limit):
+                lease, _ = self._share_attempt(name, owner, ttl, core.limit_bind(limit), deadline)
+            else:
+                lease, _ = self._attempt(name, owner, ttl, deadline, hold=hold)
         except OutOfTime:
             raise  # nothing was sent
         except DatabaseUnavailable:
-            self._abandon(name, owner, ttl)
+            self._abandon(name, owner, ttl, limit)
             raise
         return lease
 
@@ -698,14 +704,7 @@ class Locker:
     ) -> Lease | None:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        owner = secrets.token_hex(16)
-        try:
-            lease, _ = self._share_attempt(name, owner, ttl, limit, self._deadline())
-        except OutOfTime:
-            raise  # nothing was sent
-        except DatabaseUnavailable:
-            self._abandon(name, owner, ttl, limit)
-            raise
+        lease = self._try(name, secrets.token_hex(16), ttl, 0.0, self._deadline(), limit)
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -722,22 +721,7 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost)
-        owner = secrets.token_hex(16)
-        deadline = time.monotonic() + timeout
-        if timeout <= 0:
-            try:
-                lease, _ = self._share_attempt(name, owner, ttl, limit, self._bound(deadline))
-            except OutOfTime:
-                raise
-            except DatabaseUnavailable:
-                self._abandon(name, owner, ttl, limit)
-                raise
-            if lease is None:
-                raise LockNotAcquired(name, timeout)
-        elif self._queued:
-            lease = self._wait_in_queue(name, owner, ttl, 0.0, timeout, deadline, limit)
-        else:
-            lease = self._wait_in_line(name, owner, ttl, 0.0, timeout, deadline, limit)
+        lease = self._acquire(name, ttl, 0.0, timeout, limit)
         if renew:
             lease.start_renewal(on_lost)
         return lease

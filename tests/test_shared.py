@@ -25,6 +25,7 @@ from dblock import LeaseLost, Locker, LockNotAcquired
 from dblock.pytest_plugin import expire_now
 
 from .conftest import Db, wait_for
+from .test_waiting import count_statements, in_thread, joined
 from .workers import run_together
 
 HERE = Path(__file__).resolve().parent
@@ -612,18 +613,18 @@ def test_a_queued_writer_waits_for_every_reader(pg: Db, variant: str) -> None:
     locker = pg.locker()
     r1, r2 = locker.readers("w").try_acquire(ttl=60), locker.readers("w").try_acquire(ttl=60)
     assert r1 is not None and r2 is not None
-    writer = _in_thread(lambda: _raises(lambda: locker.acquire("w", ttl=60, timeout=30)) or "granted")
+    writer = in_thread(lambda: _raises(lambda: locker.acquire("w", ttl=60, timeout=30)) or "granted")
     wait_for(lambda: in_line(pg, "w") == 1, what="the writer to queue")
     assert r1.release()
     owner = pg.query(f"SELECT owner FROM {pg.table} WHERE name = 'w'")[0][0]
     if variant != "dblock":
         assert owner != SHARED[1:-1], "the broken walk should have admitted the writer beside R2"
         assert r2.release() is False  # the writer took the name over
-        _joined(writer)
+        joined(*writer)
         return
     assert (owner, holding(pg, "w"), in_line(pg, "w")) == (SHARED[1:-1], 1, 1)
     assert r2.release()
-    assert _joined(writer) == "granted"
+    assert joined(*writer) == "granted"
     assert pg.query(f"SELECT owner <> {SHARED}, waiting FROM {pg.table} WHERE name = 'w'") == [(True, 0)]
 
 
@@ -633,11 +634,11 @@ def test_a_polling_reader_finds_the_lease_a_release_handed_it(pg: Db) -> None:
     notification or a lost reply, G6)."""
     held = pg.locker().acquire("p", ttl=60)
     reader = pg.locker(notify=False, poll_min=0.05, poll_max=0.2)
-    waiting = _in_thread(lambda: reader.readers("p").acquire(timeout=30))
+    waiting = in_thread(lambda: reader.readers("p").acquire(timeout=30))
     wait_for(lambda: in_line(pg, "p") == 1, what="the reader to queue")
     assert held.release()
     ((token,),) = pg.query(f"SELECT token FROM {pg.table}_holders WHERE name = 'p'")
-    lease = _joined(waiting)
+    lease = joined(*waiting)
     assert lease.token == token > held.token and lease.shared
     assert lease.release() and holding(pg, "p") == 0
 
@@ -696,41 +697,20 @@ def test_a_writers_release_wakes_the_readers_it_admits(pg: Db) -> None:
     readers = pg.locker(**slow)
     warm_shared(pg, readers)
     held = pg.locker().acquire("n", ttl=60)
-    sent: list[str] = []
-    execute = readers._driver._execute
-
-    def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
-        sent.append(sql)
-        return execute(conn, sql, params)
-
-    readers._driver._execute = counted  # type: ignore[method-assign]
-    waits = [_in_thread(lambda: readers.readers("n").acquire(timeout=120)) for _ in range(4)]
+    sent = count_statements(readers)
+    waits = [in_thread(lambda: readers.readers("n").acquire(timeout=120)) for _ in range(4)]
     wait_for(lambda: in_line(pg, "n") == 4, what="the readers to queue")
     late = pg.locker(**slow)
-    writer = _in_thread(lambda: late.acquire("n", timeout=120))
+    writer = in_thread(lambda: late.acquire("n", timeout=120))
     wait_for(lambda: in_line(pg, "n") == 5, what="the writer to queue")
     assert held.release()
     assert (holding(pg, "n"), in_line(pg, "n")) == (4, 1)
-    leases = [_joined(w) for w in waits]
+    leases = [joined(*w) for w in waits]
     assert sent == [readers._sql.share_enqueue] * 4  # one enqueue each: woken, never looking again
     assert min(lease.token for lease in leases) > held.token
     for lease in leases:
         assert lease.release()
-    assert _joined(writer).token > max(lease.token for lease in leases)
-
-
-def _in_thread(fn: Any) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-    thread = threading.Thread(target=lambda: out.setdefault("value", fn()))
-    thread.start()
-    return thread, out
-
-
-def _joined(waiting: tuple[threading.Thread, dict]) -> Any:
-    thread, out = waiting
-    thread.join(30)
-    assert not thread.is_alive() and "value" in out, "the waiter never woke"
-    return out["value"]
+    assert joined(*writer).token > max(lease.token for lease in leases)
 
 
 # -- G7: bad input refused before any SQL ------------------------------------------------
