@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ LEAST_OFF = "least hand-over, synchronous_commit=off"
 DBLOCK = "dblock fair, NOTIFY (default)"
 DBLOCK_OFF = "dblock, synchronous_commit=off"
 SYNC_OFF = "-c synchronous_commit=off"
+TABLE = "floor_" + secrets.token_hex(4)  # this run's tables: TABLE (the least hand-over's), TABLE_dblock, TABLE_tokens
 
 Sample = tuple[list[float], list[float]]  # release call times, hand-over times (seconds)
 
@@ -130,18 +132,18 @@ def least(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
     import psycopg
 
     with psycopg.connect(_dsn(url), autocommit=True) as setup:
-        setup.execute("CREATE TABLE IF NOT EXISTS floor_locks (name text PRIMARY KEY, owner text, token bigint NOT NULL)")
-        setup.execute("CREATE SEQUENCE IF NOT EXISTS floor_tokens")
-        setup.execute("INSERT INTO floor_locks VALUES ('x', '0', 0) ON CONFLICT (name) DO UPDATE SET owner = '0'")
+        setup.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, owner text, token bigint NOT NULL)")
+        setup.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
+        setup.execute(f"INSERT INTO {TABLE} VALUES ('x', '0', 0) ON CONFLICT (name) DO UPDATE SET owner = '0'")
     conns = [psycopg.connect(_dsn(url, off), autocommit=True) for _ in (0, 1)]
     listeners = [psycopg.connect(_dsn(url), autocommit=True) for _ in (0, 1)]
     for i, c in enumerate(listeners):
-        c.execute(f"LISTEN floor_{i}")
+        c.execute(f"LISTEN {TABLE}_{i}")
     # Hand the row to the other owner, with a token drawn under the row lock, and wake it.
     handover = (
-        "WITH u AS (UPDATE floor_locks SET owner = %(to)s, token = nextval('floor_tokens') "
+        f"WITH u AS (UPDATE {TABLE} SET owner = %(to)s, token = nextval('{TABLE}_tokens') "
         "WHERE name = 'x' AND owner = %(me)s RETURNING token) "
-        "SELECT pg_notify('floor_' || %(to)s, token::text) FROM u"
+        f"SELECT pg_notify('{TABLE}_' || %(to)s, token::text) FROM u"
     )
     try:
 
@@ -169,7 +171,7 @@ def dblock(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
     sa_url = make_url(url).set(drivername="postgresql+psycopg")
     if off:
         sa_url = sa_url.update_query_dict({"options": SYNC_OFF})
-    lockers = [Locker(sa_url.render_as_string(hide_password=False), table="floor_dblock", ttl=10) for _ in (0, 1)]
+    lockers = [Locker(sa_url.render_as_string(hide_password=False), table=TABLE + "_dblock", ttl=10) for _ in (0, 1)]
     lockers[0].create_schema()
     leases: list[Any] = [None, None]
     try:
@@ -246,6 +248,23 @@ def main() -> None:
     finally:
         if server is not None:
             server.cleanup()
+        else:
+            _drop(args.url)
+
+
+def _drop(url: str) -> None:
+    """Remove this run's tables from a server that stays."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from dblock import Locker, migrate
+
+    with psycopg.connect(_dsn(url), autocommit=True) as c:
+        c.execute(f"DROP TABLE IF EXISTS {TABLE}")
+        c.execute(f"DROP SEQUENCE IF EXISTS {TABLE}_tokens")
+    locker = Locker(make_url(url).set(drivername="postgresql+psycopg").render_as_string(hide_password=False), table=TABLE + "_dblock")
+    migrate.downgrade(locker.engine, TABLE + "_dblock", None)
+    locker.close()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("many_names.py", ["--names", "200", "--chunk", "50"]),
         ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
         ("queue_ops.py", ["--sizes", "3,30", "--rounds", "1", "--calls", "3", "--listeners", "2"]),
+        ("floor.py", ["--handovers", "6", "--rounds", "1"]),
         ("aio.py", ["--rounds", "1", "--pairs", "3", "--tasks", "3", "--seconds", "0.3"]),
         ("shared.py", ["--processes", "2", "--threads", "2", "--seconds", "0.3", "--rounds", "1", "--sem-processes", "2",
                        "--sem-threads", "3", "--limit", "2", "--attempts", "3"]),
