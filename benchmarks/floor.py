@@ -57,14 +57,20 @@ TABLE = "floor_" + secrets.token_hex(4)  # this run's tables: TABLE (the least h
 Sample = tuple[list[float], list[float]]  # release call times, hand-over times (seconds)
 
 
-def _dsn(url: str, off: bool = False) -> str:
-    """A libpq URL for ``url`` (SQLAlchemy's driver suffix dropped), optionally with synchronous_commit off."""
-    from urllib.parse import quote
+def _url(url: str, driver: str, off: bool = False) -> str:
+    """``url`` for ``driver`` ("postgresql": libpq's, for psycopg; "postgresql+psycopg": SQLAlchemy's,
+    for a Locker). ``off``: synchronous_commit off for its sessions (a Locker's URL only: SQLAlchemy
+    reads it back; psycopg is given ``options`` itself)."""
+    from sqlalchemy.engine import make_url
 
-    dsn = "postgresql://" + url.split("://", 1)[1]
+    sa_url = make_url(url).set(drivername=driver)
     if off:
-        dsn += ("&" if "?" in dsn else "?") + "options=" + quote(SYNC_OFF, safe="")
-    return dsn
+        sa_url = sa_url.update_query_dict({"options": SYNC_OFF})
+    return sa_url.render_as_string(hide_password=False)
+
+
+def _dsn(url: str) -> str:
+    return _url(url, "postgresql")
 
 
 def _turns(
@@ -135,7 +141,7 @@ def least(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
         setup.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, owner text, token bigint NOT NULL)")
         setup.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
         setup.execute(f"INSERT INTO {TABLE} VALUES ('x', '0', 0) ON CONFLICT (name) DO UPDATE SET owner = '0'")
-    conns = [psycopg.connect(_dsn(url, off), autocommit=True) for _ in (0, 1)]
+    conns = [psycopg.connect(_dsn(url), autocommit=True, **({"options": SYNC_OFF} if off else {})) for _ in (0, 1)]
     listeners = [psycopg.connect(_dsn(url), autocommit=True) for _ in (0, 1)]
     for i, c in enumerate(listeners):
         c.execute(f"LISTEN {TABLE}_{i}")
@@ -166,12 +172,7 @@ def least(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
 def dblock(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
     from dblock import Locker
 
-    from sqlalchemy.engine import make_url
-
-    sa_url = make_url(url).set(drivername="postgresql+psycopg")
-    if off:
-        sa_url = sa_url.update_query_dict({"options": SYNC_OFF})
-    lockers = [Locker(sa_url.render_as_string(hide_password=False), table=TABLE + "_dblock", ttl=10) for _ in (0, 1)]
+    lockers = [Locker(_url(url, "postgresql+psycopg", off), table=TABLE + "_dblock", ttl=10) for _ in (0, 1)]
     lockers[0].create_schema()
     leases: list[Any] = [None, None]
     try:
@@ -255,14 +256,13 @@ def main() -> None:
 def _drop(url: str) -> None:
     """Remove this run's tables from a server that stays."""
     import psycopg
-    from sqlalchemy.engine import make_url
 
     from dblock import Locker, migrate
 
     with psycopg.connect(_dsn(url), autocommit=True) as c:
         c.execute(f"DROP TABLE IF EXISTS {TABLE}")
         c.execute(f"DROP SEQUENCE IF EXISTS {TABLE}_tokens")
-    locker = Locker(make_url(url).set(drivername="postgresql+psycopg").render_as_string(hide_password=False), table=TABLE + "_dblock")
+    locker = Locker(_url(url, "postgresql+psycopg"), table=TABLE + "_dblock")
     migrate.downgrade(locker.engine, TABLE + "_dblock", None)
     locker.close()
 
