@@ -60,7 +60,7 @@ def counting() -> None:
 async def uncontended(url: Any, dsn: str, table: str, pairs: int, rounds: int) -> dict[str, float]:
     locker = AsyncLocker(url, table=table)
     sync = Locker(url, table=table)
-    sql, label = sync._sql, sync._label()  # the very statements dblock sends, for the hand-written floor
+    sql, label = sync.backend.sql, sync._label()  # the very statements dblock sends, for the hand-written floor
     own = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
 
     async def raw() -> None:

@@ -160,7 +160,7 @@ def worker(args: argparse.Namespace) -> None:
     renewer = None
     if not renewing:
         locker.close()  # the baseline extends on a connection of its own
-        renewer = threading.Thread(target=_one_thread, args=(args, leases, locker._sql, tally, stop))
+        renewer = threading.Thread(target=_one_thread, args=(args, leases, locker.backend.sql, tally, stop))
         renewer.start()
     print("ready", flush=True)
     assert sys.stdin.readline() == "start\n"

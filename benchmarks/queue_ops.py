@@ -55,7 +55,9 @@ PROC = "queue-ops-bench"
 class Line:
     """One name with a line of ``size`` waiters, and a holder."""
 
-    def __init__(self, conn: Any, sql: Any, table: str, size: int) -> None:
+    def __init__(self, conn: Any, backend: Any, table: str, size: int) -> None:
+        sql = backend.sql
+        self.queue = backend.queue  # the fair queue's statements
         self.conn, self.sql, self.table, self.size = conn, sql, table, size
         self.name = f"line-{size}"
         self.waiters = f"{table}_waiters"
@@ -85,16 +87,16 @@ class Line:
         """The statement and binds of one call of ``op``."""
         sql = self.sql
         if op == "join":
-            return sql.enqueue, self._enqueue(secrets.token_hex(16), None)
+            return self.queue.enqueue, self._enqueue(secrets.token_hex(16), None)
         if op == "look":
             seq, owner = self.line[len(self.line) // 2]
-            return sql.enqueue, self._enqueue(owner, seq)
+            return self.queue.enqueue, self._enqueue(owner, seq)
         if op == "leave":
             seq, owner = self.line[len(self.line) // 2]
-            return sql.cancel, {"name": self.name, "owner": owner, "seq": seq}
+            return self.queue.cancel, {"name": self.name, "owner": owner, "seq": seq}
         if op == "hand-off":
             return sql.release, {"name": self.name, "owner": self.owner, "token": self.token}
-        return sql.beat, {"proc": PROC, "lapse": 86400}
+        return self.queue.beat, {"proc": PROC, "lapse": 86400}
 
     def _enqueue(self, owner: str, seq: int | None) -> dict[str, Any]:
         return {
@@ -107,7 +109,7 @@ class Line:
         if op == "join":
             (granted, _, _, _, seq, _, _), = rows
             assert not granted
-            self.conn.execute(self.sql.cancel, {"name": self.name, "owner": binds["owner"], "seq": seq})
+            self.conn.execute(self.queue.cancel, {"name": self.name, "owner": binds["owner"], "seq": seq})
         elif op == "leave":
             self.line.remove((binds["seq"], binds["owner"]))
             self._add(1)
@@ -229,7 +231,7 @@ def main() -> None:
             conn.execute(
                 f"INSERT INTO {table}_procs (id, until) VALUES (%s, now() + interval '1 day')", (PROC,)
             )
-            lines = [Line(conn, locker._sql, table, size) for size in sizes]
+            lines = [Line(conn, locker.backend, table, size) for size in sizes]
             conn.execute(f"ANALYZE {table}_waiters")
             results = run(conn, lines, args.rounds, args.calls)
             listening = _listeners(conn, dsn, lines[0], args.rounds, args.calls, args.listeners)

@@ -44,7 +44,7 @@ def main() -> None:
     table = "bench_" + secrets.token_hex(4)
     locker = Locker(sa_url, table=table)
     locker.create_schema()
-    sql = locker._sql  # the very statements dblock sends, for the hand-written baseline
+    sql = locker.backend.sql  # the very statements dblock sends, for the hand-written baseline
     label = locker._label()
     raw = psycopg.connect(dsn, autocommit=True)  # for the SELECT 1 and advisory references
     # The hand-written pair gets a connection of its own, as dblock has: sharing one with the

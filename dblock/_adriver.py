@@ -11,9 +11,10 @@ The same three bounds as the sync Driver, with asyncio's own means:
   once with an error, as the sync watchdog thread does. A timer costs no task
   per statement, so the hot path stays one round trip and a few microseconds.
 
-PostgreSQL goes through ``psycopg.AsyncConnection``; SQLite through
-``aiosqlite``, whose one thread per connection runs sqlite3 (SQLite's only wait,
-for another writer, is bounded by ``busy_timeout`` as in the sync Driver).
+The backend opens the connections (``Backend.aconnect``: PostgreSQL through
+``psycopg.AsyncConnection``, SQLite through ``aiosqlite``, whose one thread per
+connection runs sqlite3; SQLite's only wait, for another writer, is bounded
+by ``busy_timeout`` as in the sync Driver).
 
 Cancelling a task mid-statement (``task.cancel()``, ``asyncio.timeout``)
 throws its connection away, whatever psycopg did to end the query: its state
@@ -28,12 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
-from typing import Any, Awaitable, Sequence, TypeVar
-
-import psycopg
-from sqlalchemy.engine import Engine
+from typing import TYPE_CHECKING, Any, Awaitable, Sequence, TypeVar
 
 from ._driver import (
     IDLE,
@@ -42,18 +39,17 @@ from ._driver import (
     Busy,
     OutOfTime,
     Result,
-    connect_failed,
-    connect_params,
-    connect_plan,
     first_line,
-    host_attempts,
     pool_busy,
     pool_turn,
     shutdown_socket,
-    translate,
     unavailable,
 )
+
 from .errors import DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 log = logging.getLogger("dblock.driver")
 T = TypeVar("T")
@@ -75,17 +71,13 @@ class _AConn:
 class AsyncDriver:
     """A bounded LIFO pool of autocommit async connections, for one event loop."""
 
-    def __init__(self, engine: Engine, where: str, table: str, *, prepare: bool = True, size: int = 10) -> None:
-        self.dialect = engine.dialect.name
-        self.where = where  # the URL without its password, for messages
-        self.table = table
+    def __init__(self, backend: Backend, *, size: int = 10) -> None:
+        self.backend = backend
+        self.where = backend.where  # the URL without its password, for messages
+        self.table = backend.table
         self.size = size
-        self.prepare = prepare
-        if self.dialect == "postgresql":
-            self._params = connect_params(engine)
-        else:
-            cargs, cparams = engine.dialect.create_connect_args(engine.url)
-            self._sqlite_args = (list(cargs), {**dict(cparams), "isolation_level": None})
+        self._errors = backend.errors
+        self._cut = backend.caps.cut_statements  # else the database bounds a statement (a writer wait)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cond: asyncio.Condition | None = None
         self._idle: list[_AConn] = []
@@ -106,37 +98,7 @@ class AsyncDriver:
     # -- connections -------------------------------------------------------
     async def connect(self, deadline: float) -> Any:
         """A new autocommit async connection (outside the pool), opened before ``deadline``."""
-        if self.dialect != "postgresql":
-            return await self._connect_sqlite()
-        failed: list[psycopg.Error] = []
-        attempts = host_attempts(self._params)
-        for i, kwargs in enumerate(connect_plan(attempts, deadline, self.where)):
-            # libpq counts connect_timeout in whole seconds, at least 2; asyncio can keep
-            # each host to its share of the time left exactly.
-            share = max(0.001, (deadline - time.monotonic()) / (len(attempts) - i))
-            try:
-                return await asyncio.wait_for(
-                    psycopg.AsyncConnection.connect(
-                        autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
-                    ),
-                    share,
-                )
-            except psycopg.Error as exc:
-                failed.append(exc)
-            except asyncio.TimeoutError:
-                failed.append(psycopg.OperationalError(f"no answer within {share:.3g} s (connect)"))
-        raise connect_failed(self.where, failed, len(attempts))
-
-    async def _connect_sqlite(self) -> Any:
-        import aiosqlite  # noqa: PLC0415 - only the asyncio API on SQLite needs it
-
-        cargs, cparams = self._sqlite_args
-        try:
-            raw = await aiosqlite.connect(*cargs, **cparams)
-        except sqlite3.Error as exc:
-            raise DatabaseUnavailable(f"cannot open {self.where}: {first_line(exc)}") from exc
-        await raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        return raw
+        return await self.backend.aconnect(deadline)
 
     async def _checkout(self, deadline: float, fresh: bool, waiting: bool) -> _AConn:
         cond = self._bind()
@@ -161,7 +123,7 @@ class AsyncDriver:
                     pass  # looked at once more above, then out of time
         try:
             raw = await self.connect(deadline)
-            cursor = raw.cursor() if self.dialect == "postgresql" else await raw.cursor()
+            cursor = await self.backend.acursor(raw)
         except BaseException:
             await self._forget(1, waiting)
             raise
@@ -233,14 +195,14 @@ class AsyncDriver:
             conn = await self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             timer = None
             try:
-                if self.dialect == "sqlite":
-                    await self._busy_timeout(conn, deadline)
-                    result = await _finished(self._statements(conn, sql, params, then, before))
-                else:
+                if self._cut:
                     assert self._loop is not None
                     timer = self._loop.call_later(max(deadline - time.monotonic(), 0.0), _cut, conn)
                     result = await self._statements(conn, sql, params, then, before)
-            except (psycopg.Error, sqlite3.Error) as exc:
+                else:
+                    await self._busy_timeout(conn, deadline)
+                    result = await _finished(self._statements(conn, sql, params, then, before))
+            except self._errors as exc:
                 if timer is not None:
                     timer.cancel()
                 if conn.cut:
@@ -249,7 +211,7 @@ class AsyncDriver:
                         f"{self.where} did not answer in time; the statement was cut off "
                         "(it may or may not have taken effect)"
                     ) from exc
-                if _is_broken(conn):
+                if self.backend.is_broken(conn.raw):
                     await self._discard(conn)
                     await self._drain()
                     if attempt == 1 and time.monotonic() < deadline:
@@ -257,7 +219,7 @@ class AsyncDriver:
                         continue
                     raise unavailable(f"lost the connection to {self.where}: {first_line(exc)}", exc) from exc
                 await self._checkin(conn)
-                raise translate(exc, self.where, self.table) from exc
+                raise self.backend.translate(exc) from exc
             except BaseException:
                 if timer is not None:
                     timer.cancel()
@@ -287,16 +249,11 @@ class AsyncDriver:
     async def _busy_timeout(self, conn: _AConn, deadline: float) -> None:
         ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
         if ms != conn.busy_ms:
-            await conn.raw.execute(f"PRAGMA busy_timeout = {ms}")
+            await self.backend.await_for_writer(conn.raw, ms)
             conn.busy_ms = ms
 
     async def _execute(self, conn: _AConn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
-        cur = conn.cursor
-        if self.dialect == "postgresql":
-            await cur.execute(sql, params, prepare=self.prepare)
-        else:
-            await cur.execute(sql, params)
-        return list(await cur.fetchall()) if cur.description is not None else []
+        return await self.backend.aexecute(conn.cursor, sql, params)
 
 
 async def _finished(work: Awaitable[T]) -> T:
@@ -325,13 +282,6 @@ def _cut(conn: _AConn) -> None:
     """The statement's deadline came: wake its awaiting task with end-of-file."""
     conn.cut = True
     shutdown_socket(conn.raw)
-
-
-def _is_broken(conn: _AConn) -> bool:
-    raw = conn.raw
-    if isinstance(raw, psycopg.AsyncConnection):
-        return bool(raw.broken or raw.closed)
-    return False  # sqlite3 connections are in-process: they do not break mid-call
 
 
 async def _close(raw: Any) -> None:

@@ -1,42 +1,14 @@
 """The decisions of acquiring, waiting and renewing, as pure functions.
 
 No clock, no thread, no driver, no I/O and no randomness in here: the caller
-passes in every time (``time.monotonic()`` seconds unless said otherwise), the
-rows a statement returned, and any random draw (``random.random()``, in
-[0, 1)). The sync API (``Locker``, ``renew``) calls these; the asyncio API
-that issue 14 asks for will call the same ones, so the two cannot drift on
-what a row means, how long to sleep or how long a lease may be trusted.
+passes in every time (``time.monotonic()`` seconds unless said otherwise) and
+any random draw (``random.random()``, in [0, 1)). Both faces (``Locker``,
+``AsyncLocker``) call these, so they cannot drift on how long to sleep, when
+to look, how long a lease may be trusted or when a renewal is due.
 
-Sync and async, one source (issue 14). Two ways were on the table: write the
-async code and generate the sync twin from it with a script whose output CI
-diffs (psycopg's pool), or keep both APIs thin over this module. dblock takes
-the second. Generation pays off when the two twins have the same structure and
-differ only in ``await``; dblock's sync side is built from threads that an
-asyncio twin would not have at all: the watchdog thread that shuts a late
-statement's socket (asyncio cancels the task), the listener thread that reads
-NOTIFYs (a task on an async connection), the renewal scheduler with its worker
-threads (one task and ``asyncio.wait``), ``Event.wait`` hand-offs (a Future).
-A generator would need an exception for each of them, and the generated file
-would hide the difference instead of stating it. What must not drift (what a
-row means, every pause, every deadline and trust window) lives here and in
-``statements.py``; what legitimately differs (how to wait) is written twice,
-each short, and the same test cases run against both faces.
-
-The async side's shape, concretely: ``AsyncLocker._attempt`` sends
-``statements.acquire`` on an async connection and passes the result to
-``acquired()``; its waiting loops call ``backoff()``, ``next_delay()``,
-``outage_pause()``, ``look_pause()``, ``poll_delay()``, ``entry_lifetime()``
-and ``statement_deadline()`` between ``await asyncio.sleep`` /
-``asyncio.wait_for`` on a hand-off future, decode with ``enqueued()`` and
-``cancelled()``, and trust a hand-off with ``handed_trust()`` and
-``needs_refresh()``; its ``AsyncLease`` trusts ``trusted_until()`` and releases
-with ``statements.release``, or ``release_held`` (binding ``hold``) when
-``holds(min_hold)``, decoding with ``ended()``; its renewal
-task schedules with ``until_due()``, ``retry_after()``, ``renewal_due()`` and
-``batch_deadline()`` and decodes ``extended()``. Shared leases (read locks,
-semaphores) go through the same loops on both faces, told apart by the wait's
-``limit`` (``shared_kind()``, ``limit_bind()``): ``share_acquired()`` decodes an
-attempt, and after a lost reply ``owned_token()`` names the lease to end.
+What a statement's rows mean is not decided here: each database's backend
+(``dblock.backends``) decodes its own rows into the outcomes below (``Grant``,
+``Miss``, ``Queued``, ``Ended``), so this module knows no backend's row shapes.
 """
 
 from __future__ import annotations
@@ -96,66 +68,6 @@ def when(value: Any) -> datetime:
     return datetime.fromtimestamp(float(value), timezone.utc)
 
 
-def acquired(dialect: str, rows: Rows, holder: Rows) -> Grant | Miss:
-    """The outcome of ``statements.acquire`` (and, on SQLite, of ``holder`` after a miss)."""
-    if dialect == "postgresql":
-        if not rows:
-            return Miss(None)  # a concurrent first acquire created the row just now
-        granted, token, expires_at, wait = rows[0]
-        if not granted:
-            return Miss(wait)
-    else:
-        if not rows:
-            return Miss(holder[0][0] if holder else None)
-        token, expires_at = rows[0]
-    return Grant(token, when(expires_at))
-
-
-def share_acquired(dialect: str, rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
-    """The outcome of ``statements.share_acquire`` (and, on SQLite, of ``share_holder`` after a
-    miss), and on a grant the slots it left free (None: no limit binds; <= 0: the semaphore is full)."""
-    if dialect == "postgresql":
-        granted, token, expires_at, wait, free = rows[0]
-        if not granted:
-            return Miss(wait), None
-    else:
-        if not rows:
-            return Miss(holder[0][0] if holder else None), None
-        token, expires_at, free = rows[0]
-    return Grant(token, when(expires_at)), free
-
-
-def enqueued(rows: Rows) -> Grant | Queued | None:
-    """The outcome of ``statements.enqueue``; None: the row was just created, look again."""
-    if not rows:
-        return None
-    granted, token, expires_at, wait, seq, ahead, at = rows[0]
-    if granted:
-        return Grant(token, when(expires_at))
-    return Queued(wait, seq, ahead, float(at))
-
-
-def cancelled(rows: Rows) -> Grant | None:
-    """The outcome of ``statements.cancel``: the lease a release handed us first, or None."""
-    if rows and rows[0][0]:
-        return Grant(rows[0][1], when(rows[0][2]))
-    return None
-
-
-def owned_token(rows: Rows, cancelled_rows: bool) -> int | None:
-    """After an attempt whose reply was lost: the token of the lease its owner holds, or None.
-
-    ``rows`` came from ``statements.cancel`` (``cancelled_rows``: PostgreSQL,
-    where it also took the owner out of the fair queue, exclusive or shared
-    waiter alike) or else from ``owned`` / ``share_owned``. Both faces end
-    that lease, with the shared statements for a shared attempt.
-    """
-    if cancelled_rows:
-        grant = cancelled(rows)
-        return None if grant is None else grant.token
-    return rows[0][0] if rows else None
-
-
 def shared_kind(limit: int | None | bool) -> bool:
     """Whether a wait's ``limit`` asks for a shared lease: False is the exclusive lock's,
     None a reader's, an int a semaphore's (the ``limit`` of both faces' waiting loops)."""
@@ -182,23 +94,6 @@ def holds(min_hold: float) -> bool:
     return min_hold > 0
 
 
-def ended(rows: Rows, held: bool) -> Ended:
-    """The outcome of ``statements.release`` (``held`` False) or ``release_held`` (True)."""
-    if not rows:
-        return Ended(False)
-    if held and rows[0][2] is not None:
-        return Ended(True, when(rows[0][2]))
-    return Ended(True)
-
-
-def extended(rows: Rows, keys: Sequence[tuple[str, int]]) -> list[datetime | None]:
-    """The outcome of ``statements.extend_many``: per (name, token) of ``keys``, in order,
-    the new database expiry, or None if that lease was released or taken over."""
-    expiries = {(name, token): expires_at for name, token, expires_at in rows}
-    return [None if (e := expiries.get(key)) is None else when(e) for key in keys]
-
-
-# -- how long to pause ------------------------------------------------------------
 def backoff(delay: float, wait: float | None, draw: float) -> float:
     """A jittered pause in [delay, 2 delay), cut short at the holder's known expiry.
 

@@ -28,40 +28,22 @@ import logging
 import math
 import os
 import socket
-import sqlite3
 import threading
 import time
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
-import psycopg
-from psycopg.adapt import AdaptersMap
-from psycopg.conninfo import conninfo_attempts
-from psycopg.types.numeric import Int8Dumper
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from ._faults import Busy, OutOfTime, first_line
+from .errors import DatabaseUnavailable
 
-from .errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
+if TYPE_CHECKING:
+    from .backends import Backend
 
 log = logging.getLogger("dblock.driver")
 
+__all__ = ["Busy", "Driver", "OutOfTime", "Result", "first_line", "pool_busy", "pool_turn", "shutdown_socket"]
+
+# The most a statement waits for another writer where the database bounds it (SQLite).
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-MIN_CONNECT_TIMEOUT = 2  # libpq counts connect_timeout in whole seconds, and at least 2
-
-_MISSING_SCHEMA_HINT = "run `dblock migrate` or call Locker.create_schema() first"
-# SQLSTATE classes of a server that is going away, starting up or out of room:
-# connection exception, operator intervention (shutdown, crash recovery), insufficient resources.
-_OUTAGE_CLASSES = ("08", "57", "53")
-
-
-class Busy(DatabaseUnavailable):
-    """SQLite stayed write-locked by another connection for the whole time allowed."""
-
-
-class OutOfTime(DatabaseUnavailable):
-    """The call's deadline came before its statement could be sent (no connection free in time,
-    or no time left): nothing reached the database, so nothing is in doubt."""
-
-    timed_out = True
 
 
 class Result(NamedTuple):
@@ -75,9 +57,9 @@ class Result(NamedTuple):
 class _Conn:
     __slots__ = ("raw", "cursor", "busy_ms", "deadline", "cut", "waiting")
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, cursor: Any) -> None:
         self.raw = raw
-        self.cursor = raw.cursor()
+        self.cursor = cursor
         self.busy_ms = SQLITE_BUSY_TIMEOUT_MS
         self.deadline = math.inf  # while a statement runs: when the watchdog cuts it
         self.cut = False  # the watchdog shut this connection's socket down
@@ -112,18 +94,14 @@ def pool_busy(size: int, where: str, owner: str) -> OutOfTime:
 class Driver:
     """A bounded LIFO pool of autocommit driver connections, safe across threads and forks."""
 
-    def __init__(self, engine: Engine, where: str, table: str, *, prepare: bool = True, size: int = 10) -> None:
-        self.engine = engine
-        self.dialect = engine.dialect.name
-        self.where = where  # the URL without its password, for messages
-        self.table = table
+    def __init__(self, backend: Backend, *, size: int = 10) -> None:
+        self.backend = backend
+        self.engine = backend.engine
+        self.where = backend.where  # the URL without its password, for messages
+        self.table = backend.table
         self.size = size
-        # False behind a transaction pooler (PgBouncer pool_mode=transaction):
-        # a statement prepared on one server session may be run by another
-        # client's session with that client's parameters.
-        self.prepare = prepare
-        if self.dialect == "postgresql":
-            self._params = connect_params(engine)
+        self._errors = backend.errors
+        self._cut = backend.caps.cut_statements  # else the database bounds a statement (a writer wait)
         self._reset()
 
     def _reset(self) -> None:
@@ -136,30 +114,7 @@ class Driver:
     # -- connections -------------------------------------------------------
     def connect(self, deadline: float) -> Any:
         """A new autocommit driver connection (outside the pool), opened before ``deadline``."""
-        if self.dialect != "postgresql":
-            return self._connect_sqlite()
-        failed: list[psycopg.Error] = []
-        attempts = host_attempts(self._params)
-        for kwargs in connect_plan(attempts, deadline, self.where):
-            try:
-                return psycopg.Connection.connect(
-                    autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
-                )
-            except psycopg.Error as exc:
-                failed.append(exc)
-        raise connect_failed(self.where, failed, len(attempts))
-
-    def _connect_sqlite(self) -> Any:
-        try:
-            fairy = self.engine.raw_connection()
-        except (SQLAlchemyError, sqlite3.Error) as exc:
-            raise DatabaseUnavailable(f"cannot open {self.where}: {first_line(exc)}") from exc
-        # Our own connection from now on: not returned to (or reset by) the engine's pool.
-        raw: Any = fairy.driver_connection
-        fairy.detach()
-        raw.isolation_level = None  # autocommit: each statement is its own transaction
-        raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        return raw
+        return self.backend.connect(deadline)
 
     def _checkout(self, deadline: float, fresh: bool = False, waiting: bool = False) -> _Conn:
         """A connection of the pool: an idle one, a new one while fewer than ``size`` are
@@ -190,7 +145,8 @@ class Driver:
                     raise pool_busy(self.size, self.where, "Locker")
                 self._cond.wait(left)
         try:
-            conn = _Conn(self.connect(deadline))
+            raw = self.connect(deadline)
+            conn = _Conn(raw, self.backend.cursor(raw))
         except BaseException:
             self._forget(1, waiting)
             raise
@@ -273,23 +229,23 @@ class Driver:
                 raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             try:
-                if self.dialect == "sqlite":
-                    self._busy_timeout(conn, deadline)
-                    result = self._statements(conn, sql, params, then, before)
-                else:
+                if self._cut:
                     _watchdog.watch(conn, deadline)
                     try:
                         result = self._statements(conn, sql, params, then, before)
                     finally:
                         _watchdog.done(conn)
-            except (psycopg.Error, sqlite3.Error) as exc:
+                else:
+                    self._busy_timeout(conn, deadline)
+                    result = self._statements(conn, sql, params, then, before)
+            except self._errors as exc:
                 if conn.cut:
                     self._discard(conn)
                     raise DatabaseUnavailable(
                         f"{self.where} did not answer in time; the statement was cut off "
                         "(it may or may not have taken effect)"
                     ) from exc
-                if _is_broken(conn):
+                if self.backend.is_broken(conn.raw):
                     self._discard(conn)
                     self._drain()
                     if attempt == 1 and time.monotonic() < deadline:
@@ -297,7 +253,7 @@ class Driver:
                         continue
                     raise unavailable(f"lost the connection to {self.where}: {first_line(exc)}", exc) from exc
                 self._checkin(conn)
-                raise self._translate(exc) from exc
+                raise self.backend.translate(exc) from exc
             except BaseException:
                 self._discard(conn)  # interrupted mid-statement: its state is unknown
                 raise
@@ -318,26 +274,15 @@ class Driver:
             rows = self._execute(conn, sql, params)
         return rows, self._execute(conn, then, params) if then is not None and not rows else []
 
-    @staticmethod
-    def _busy_timeout(conn: _Conn, deadline: float) -> None:
+    def _busy_timeout(self, conn: _Conn, deadline: float) -> None:
         # Set for every call: how long this call may wait for another writer.
         ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
         if ms != conn.busy_ms:
-            conn.raw.execute(f"PRAGMA busy_timeout = {ms}")
+            self.backend.wait_for_writer(conn.raw, ms)
             conn.busy_ms = ms
 
     def _execute(self, conn: _Conn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
-        cur = conn.cursor
-        if self.dialect == "postgresql":
-            # Prepared once per connection, then one round trip per call
-            # (unless prepare=False: then each call sends its text unnamed).
-            cur.execute(sql, params, prepare=self.prepare)
-        else:
-            cur.execute(sql, params)
-        return cur.fetchall() if cur.description is not None else []
-
-    def _translate(self, exc: Exception) -> DBLockError:
-        return translate(exc, self.where, self.table)
+        return self.backend.execute(conn.cursor, sql, params)
 
 
 class _Watchdog:
@@ -407,101 +352,6 @@ class _Watchdog:
 _watchdog = _Watchdog()
 
 
-def translate(exc: Exception, where: str, table: str) -> DBLockError:
-    """A driver error of a lock statement as dblock's own (both the sync and the asyncio driver)."""
-    sqlstate = getattr(exc, "sqlstate", None)
-    if isinstance(exc, psycopg.errors.UndefinedTable) or (
-        isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc)
-    ):
-        return SchemaMissing(
-            f"dblock's table {table!r} does not exist in {where}: {_MISSING_SCHEMA_HINT}",
-            sqlstate=sqlstate,
-        )
-    if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)) or (
-        isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc)
-    ):
-        return SchemaMissing(
-            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{_MISSING_SCHEMA_HINT.replace('first', 'to upgrade it')}",
-            sqlstate=sqlstate,
-        )
-    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-        return PermissionDenied(
-            f"{where}: {first_line(exc)} (grant the privileges listed in the README's "
-            "least-privilege section)",
-            sqlstate=sqlstate,
-        )
-    if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
-        return Busy(f"{where} stayed locked by another writer for the whole time allowed")
-    if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
-        # Permanent, not an outage: a wait must not retry it until its deadline.
-        return DBLockError(f"{where} is not a SQLite database: {first_line(exc)}")
-    if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
-        return DatabaseUnavailable(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
-    return DBLockError(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
-
-
-def connect_params(engine: Engine) -> dict[str, Any]:
-    """psycopg connection parameters from a PostgreSQL engine's URL (the query's too)."""
-    cargs, cparams = engine.dialect.create_connect_args(engine.url)
-    params = {**dict(cparams), **_conninfo_args(cargs)}
-    # Every Python int is sent as a bigint (the statements cast where a column is narrower).
-    # psycopg's own choice, int2, int4 or int8 by the value, is part of a prepared
-    # statement's key: a token or a listener's pid past 32,767 would prepare it again, a
-    # round trip more. The engine's adapters (SQLAlchemy passes its own) are kept otherwise.
-    adapters = AdaptersMap(params.get("context") or psycopg.adapters)
-    adapters.register_dumper(int, Int8Dumper)
-    params["context"] = adapters
-    return params
-
-
-def host_attempts(conninfo: dict[str, Any]) -> list[dict[str, Any]]:
-    """The parameters of each connection attempt: one per host of a multi-host URL, with
-    dblock's defaults where the URL sets none of its own: notice a dead peer on an idle
-    socket (keepalives) and on a socket with unacknowledged data (tcp_user_timeout),
-    instead of after the kernel's 15 minutes."""
-    params = {
-        "keepalives": 1,
-        "keepalives_idle": 5,
-        "keepalives_interval": 2,
-        "keepalives_count": 3,
-        "tcp_user_timeout": 10_000,
-        **conninfo,
-    }
-    return _host_attempts(params) or [params]
-
-
-def connect_plan(attempts: list[dict[str, Any]], deadline: float, where: str) -> Iterator[dict[str, Any]]:
-    """The keywords of each attempt to connect, each given its share of the time left.
-
-    With several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to
-    find the primary) psycopg would give each host the whole connect_timeout, so
-    three silent hosts would take three times the call's time. Each is tried
-    here with its share of what is left, so a silent first host (a primary that
-    went away) leaves time for the rest. Raises ``OutOfTime`` if no time is left
-    for the first one.
-    """
-    for i, attempt in enumerate(attempts):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            if i == 0:
-                raise OutOfTime(f"no time left to connect to {where}")
-            return
-        share = left / (len(attempts) - i)
-        yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))}
-
-
-def connect_failed(where: str, failed: list[psycopg.Error], hosts: int) -> DBLockError:
-    """The error for a connect whose every attempt (``failed``) failed."""
-    if not failed:
-        return OutOfTime(f"no time left to connect to {where}")
-    reasons = "; ".join(dict.fromkeys(first_line(exc) for exc in failed))
-    tried = f" ({len(failed)} of {hosts} hosts tried)" if hosts > 1 else ""
-    exc = unavailable(f"cannot connect to {where}{tried}: {reasons}", failed[-1])
-    exc.__cause__ = failed[-1]
-    return exc
-
-
 def shutdown_socket(raw: Any) -> None:
     """Wake any thread blocked on ``raw``'s socket at once: it reads end-of-file.
 
@@ -520,36 +370,10 @@ def shutdown_socket(raw: Any) -> None:
             pass
 
 
-def _conninfo_args(cargs: Sequence[Any]) -> dict[str, Any]:
-    # The psycopg dialect passes everything as keywords; a positional conninfo
-    # string (should a dialect version pass one) is kept as psycopg's own.
-    return {"conninfo": cargs[0]} if cargs else {}
-
-
-def _host_attempts(params: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """One set of connection parameters per host of a multi-host conninfo (psycopg's own split,
-    which also honours load_balance_hosts); None for a single host."""
-    hosts = params.get("host") or params.get("hostaddr")
-    if "conninfo" in params or not isinstance(hosts, str) or "," not in hosts:
-        return None
-    try:
-        return [dict(a) for a in conninfo_attempts(params)]
-    except psycopg.Error:
-        return None  # e.g. no host name resolves: let psycopg's connect report it
-
-
-def unavailable(message: str, exc: BaseException) -> DBLockError:
+def unavailable(message: str, exc: BaseException) -> DatabaseUnavailable:
+    """The error of a connection lost mid-statement, keeping the database's code."""
     sqlstate = getattr(exc, "sqlstate", None)
-    if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # e.g. no CONNECT on the database
-        return PermissionDenied(message, sqlstate=sqlstate)
     return DatabaseUnavailable(message, sqlstate=sqlstate)
-
-
-def _is_broken(conn: _Conn) -> bool:
-    raw = conn.raw
-    if isinstance(raw, psycopg.Connection):
-        return bool(raw.broken or raw.closed)
-    return False  # sqlite3 connections are in-process: they do not break mid-call
 
 
 def _close(conn: _Conn) -> None:
@@ -557,10 +381,3 @@ def _close(conn: _Conn) -> None:
         conn.raw.close()
     except Exception:  # noqa: BLE001 - closing a dead connection may fail; nothing to do
         pass
-
-
-def first_line(exc: BaseException) -> str:
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        exc = exc.orig
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -7,21 +7,18 @@ URL: same user, password, host and database, query arguments made libpq's.
 
 from __future__ import annotations
 
-import random
 import sqlite3
-import time
-
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 from sqlalchemy import create_engine
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
 
-from ._driver import SQLITE_BUSY_TIMEOUT_MS
 from ._redact import display_url  # a password in the query (?password=) is masked too
+from .backends.sqlite import use_wal as use_wal  # importable here as before
 from .schema import prepare_default_sqlite_path
 
 
@@ -95,24 +92,6 @@ def _postgresql_engine(url: URL) -> Engine:
     give up connecting after ``SCHEMA_CONNECT_TIMEOUT`` s per host, unless the URL says otherwise."""
     connect_args = {} if "connect_timeout" in url.query else {"connect_timeout": SCHEMA_CONNECT_TIMEOUT}
     return create_engine(url, poolclass=NullPool, connect_args=connect_args)
-
-
-def use_wal(engine: Engine) -> None:
-    """Switch a SQLite database to WAL, which lets readers and the one writer work at the same time.
-
-    Switching needs an exclusive lock; when another process is migrating the
-    new file, SQLite reports a deadlock at once instead of waiting, so retry.
-    """
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
-    while True:
-        try:
-            with engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-            return
-        except OperationalError as exc:
-            if "locked" not in str(exc.orig) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.005 + random.random() * 0.02)
 
 
 def psycopg_url(url: URL) -> URL:

@@ -34,7 +34,7 @@ from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
 from . import metrics
-from . import statements
+from . import backends
 from ._adriver import AsyncDriver, Busy, OutOfTime
 from ._await import AsyncHeartbeat, AsyncHotspot, AsyncListener, AsyncSlot
 from ._core import OUTAGE_RETRY_MIN, Grant
@@ -145,13 +145,13 @@ class AsyncLocker:
         self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
         # A sync engine of the same database: its URL and dialect, and create_schema's migrations.
         self.engine, self._needs_migration, self._own_engine = engine_for(url)
-        if self.engine.dialect.name == "sqlite" and self.schema is not None:
-            raise ValueError("schema is not supported on SQLite; leave it None")
         where = display_url(self.engine.url)
-        self._sql = statements.build(self.engine.dialect, self.table, self.schema)
-        self._driver = AsyncDriver(self.engine, where, self.table, prepare=prepare, size=max_connections)
-        self._queued = fair and self._sql.enqueue is not None
-        self._listener = AsyncListener(self._driver.connect) if self._queued and notify else None
+        # The database's statements, decoders, connections and abilities (``dblock.backends``).
+        self.backend = backends.of(self.engine)(self.engine, self.table, self.schema, where, prepare=prepare)
+        self._driver = AsyncDriver(self.backend, size=max_connections)
+        self._queued = fair and self.backend.caps.fair_queue
+        notified = self._queued and notify and self.backend.caps.notify
+        self._listener = AsyncListener(self._driver.connect) if notified else None
         self._lapse = core.lapse(self.poll_max)
         self._heartbeat = AsyncHeartbeat(self._beat, self.poll_max) if self._queued else None
         self._hot = AsyncHotspot()
@@ -236,9 +236,9 @@ class AsyncLocker:
         try:
             lease = await acquire
         except BaseException as exc:
-            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            metrics.recorder.waited(self.backend.name, name, started, exc)
             raise
-        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        metrics.recorder.waited(self.backend.name, name, started, lease)
         return lease
 
     async def _acquire(
@@ -408,18 +408,19 @@ class AsyncLocker:
         params = {"name": name, "owner": attempt.owner, "ttl": ttl, "label": self._label()}
         if shared:  # a reader's or semaphore holder's lease (as ``Locker._share_attempt``)
             result = await self._driver.run(
-                self._sql.share_acquire,
+                self.backend.sql.share_acquire,
                 {**params, "limit": core.limit_bind(attempt.limit)},
-                self._sql.share_holder,
+                self.backend.sql.share_holder,
                 deadline=deadline,
                 waiting=waiting,
             )
-            outcome, free = core.share_acquired(self._sql.dialect, result.rows, result.extra)
+            outcome, free = self.backend.share_acquired(result.rows, result.extra)
             if isinstance(outcome, Grant):
                 self._shared_hot.mark_full(name, free is not None and free <= 0)
         else:
-            result = await self._driver.run(self._sql.acquire, params, self._sql.holder, deadline=deadline, waiting=waiting)
-            outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+            sql = self.backend.sql
+            result = await self._driver.run(sql.acquire, params, sql.holder, deadline=deadline, waiting=waiting)
+            outcome = self.backend.acquired(result.rows, result.extra)
         if not isinstance(outcome, Grant):
             return None, outcome.wait
         log.debug("granted %r (limit %s) token=%s", name, attempt.limit, outcome.token)
@@ -510,7 +511,7 @@ class AsyncLocker:
                 try:
                     rows = (
                         await self._driver.run(
-                            self._sql.share_enqueue if shared else self._sql.enqueue,  # type: ignore[arg-type]
+                            self.backend.queue.share_enqueue if shared else self.backend.queue.enqueue,
                             {
                                 "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                                 "proc": self._proc.get(), "lapse": self._lapse,
@@ -532,7 +533,7 @@ class AsyncLocker:
                         break
                     outage_delay = await self._outage(exc, name, outage_delay, deadline)
                     continue
-                outcome = core.enqueued(rows)
+                outcome = self.backend.enqueued(rows)
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
@@ -569,7 +570,7 @@ class AsyncLocker:
             try:
                 rows = (
                     await self._driver.run(
-                        self._sql.cancel,  # type: ignore[arg-type]
+                        self.backend.queue.cancel,
                         {"name": name, "owner": owner, "seq": seq},
                         deadline=self._bound(deadline),
                     )
@@ -578,7 +579,7 @@ class AsyncLocker:
                 self._abandon(name, owner, ttl, attempt.limit)  # our entry dies with its own deadline anyway
                 attempt.sent = False
                 raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
-            handed = core.cancelled(rows)
+            handed = self.backend.cancelled(rows)
             if handed is not None:
                 if queued_at is not None:
                     lease = await self._handed(name, attempt, ttl, handed, queued_at, deadline)
@@ -621,7 +622,7 @@ class AsyncLocker:
         sent_at = time.monotonic()
         rows = (
             await self._driver.run(
-                self._sql.share_extend if shared else self._sql.extend,
+                self.backend.sql.share_extend if shared else self.backend.sql.extend,
                 {"name": name, "owner": owner, "token": token, "ttl": ttl},
                 deadline=deadline,
             )
@@ -633,16 +634,16 @@ class AsyncLocker:
         ``shared``: a reader's or semaphore holder's lease (no hold)."""
         held = core.holds(hold) and not shared
         if shared:
-            result = await self._driver.run(self._sql.share_release, key, deadline=deadline)
+            result = await self._driver.run(self.backend.sql.share_release, key, deadline=deadline)
         elif held:
-            result = await self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
+            result = await self._driver.run(self.backend.sql.release_held, {**key, "hold": hold}, deadline=deadline)
         else:
-            result = await self._driver.run(self._sql.release, key, deadline=deadline)
+            result = await self._driver.run(self.backend.sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
-            released = self._sql.share_released if shared else self._sql.released
-            return core.ended((await self._driver.run(released, key, deadline=deadline)).rows, held=False)
-        return core.ended(rows, held)
+            released = self.backend.sql.share_released if shared else self.backend.sql.released
+            return self.backend.ended((await self._driver.run(released, key, deadline=deadline)).rows, held=False)
+        return self.backend.ended(rows, held)
 
     async def _release(
         self, name: str, owner: str, token: int, state: LeaseState, hold: float, shared: bool = False
@@ -671,21 +672,16 @@ class AsyncLocker:
 
     async def _forget(self, name: str, owner: str, shared: bool = False) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease (``shared``: its shared lease) if it holds one."""
-        if self._sql.cancel is not None:  # PostgreSQL: exclusive and shared waiters alike
-            rows = (
-                await self._driver.run(
-                    self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
-                )
-            ).rows
-        else:
-            rows = (
-                await self._driver.run(
-                    self._sql.share_owned if shared else self._sql.owned,  # type: ignore[arg-type]
-                    {"name": name, "owner": owner},
-                    deadline=self._deadline(),
-                )
-            ).rows
-        token = core.owned_token(rows, self._sql.cancel is not None)
+        sql = self.backend.sql
+        # With a fair queue, owned is cancel: the queue entry goes too, exclusive and shared waiters alike.
+        rows = (
+            await self._driver.run(
+                sql.share_owned if shared else sql.owned,
+                {"name": name, "owner": owner, "seq": None},
+                deadline=self._deadline(),
+            )
+        ).rows
+        token = self.backend.owned(rows)
         if token is not None:
             await self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=shared)
 
@@ -734,7 +730,7 @@ class AsyncLocker:
 
     async def _beat(self) -> None:
         await self._driver.run(
-            self._sql.beat,  # type: ignore[arg-type]
+            self.backend.queue.beat,
             {"proc": self._proc.get(), "lapse": self._lapse},
             deadline=self._deadline(),
         )
@@ -743,7 +739,9 @@ class AsyncLocker:
         return time.monotonic() + self.op_timeout
 
     def _bound(self, deadline: float) -> float:
-        return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
+        return core.statement_deadline(
+            time.monotonic(), deadline, self.op_timeout, not self.backend.caps.cut_statements
+        )
 
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
@@ -807,7 +805,7 @@ class AsyncLocker:
     async def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         await self._ensure_schema()
-        rows = (await self._driver.run(self._sql.leases, {}, deadline=self._deadline())).rows
+        rows = (await self._driver.run(self.backend.sql.leases, {}, deadline=self._deadline())).rows
         return [
             LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
             for n, o, t, a, e, r, label, sh, lim in rows
@@ -815,10 +813,10 @@ class AsyncLocker:
 
     async def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; empty on SQLite)."""
-        if self._sql.waiters is None:
+        if not self.backend.caps.fair_queue:
             return {}
         await self._ensure_schema()
-        rows = (await self._driver.run(self._sql.waiters, {}, deadline=self._deadline())).rows
+        rows = (await self._driver.run(self.backend.queue.waiters, {}, deadline=self._deadline())).rows
         return {name: count for name, count in rows}
 
     async def force_release(self, lease: LeaseInfo) -> bool:
@@ -837,10 +835,9 @@ class AsyncLocker:
         """Delete rows of names nobody held for ``older_than`` seconds; returns how many."""
         age = check_ttl(older_than)
         await self._ensure_schema()
-        rows = (
-            await self._driver.run(self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline())
-        ).rows
-        await self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())  # ended shared leases
+        sql = self.backend.sql
+        rows = (await self._driver.run(sql.prune, {"age": age}, before=sql.prune_lock, deadline=self._deadline())).rows
+        await self._driver.run(sql.share_prune, {"age": age}, deadline=self._deadline())  # ended shared leases
         return len(rows)
 
     def open_connections(self) -> int:
@@ -942,7 +939,7 @@ class AsyncLease(LeaseView):
         self.name = name
         self.owner = owner
         self.token = token
-        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        hold = metrics.recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), hold, lost=asyncio.Event())
         self._renewal: asyncio.Task[None] | None = None
 

@@ -33,20 +33,17 @@ from typing import Any, Iterator, Mapping, NamedTuple, Protocol, TypeGuard, Unio
 
 import psycopg
 from sqlalchemy import Column, Table, case, event, inspect, literal, select, text, update
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection, Dialect, Result
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import Update
 from sqlalchemy.sql.selectable import Select
 
-from . import metrics
+from . import backends, metrics
 from ._plan import Plan, Probe, Run, run
 from ._validate import check_identifier, check_name, check_text, check_token
 from .errors import FencedOut, LeaseLost, SchemaMissing
-from .schema import DEFAULT_TABLE, SHARED_OWNER, fences_table, holders_table_name
-from .statements import SQLITE_NOW
+from .schema import DEFAULT_TABLE, fences_table, holders_table_name
 
 Target = Union[Connection, Session]
 DEFAULT_COLUMN = "fence_token"
@@ -413,10 +410,11 @@ def check_plan(conn: Target, lease: LeaseRef) -> Plan[None]:
         raise ValueError("check_lease needs a transaction: on an AUTOCOMMIT connection its lock would end at once")
     quote = dialect.identifier_preparer.quote
     prefix = quote(lease.schema) + "." if lease.schema else ""
+    backend = backends.of(dialect)  # its statement keeps the lease from a takeover until the commit
     if lease.shared:
-        sql = _shared_check_sql(dialect.name, prefix + quote(lease.table), prefix + quote(holders_table_name(lease.table)))
+        sql = backend.shared_check(prefix + quote(lease.table), prefix + quote(holders_table_name(lease.table)))
     else:
-        sql = _lease_check_sql(dialect.name, prefix + quote(lease.table))
+        sql = backend.lease_check(prefix + quote(lease.table))
     with _schema_hint(lease.table):
         row = (yield Run(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token})).first()
     if row is None:
@@ -424,42 +422,6 @@ def check_plan(conn: Target, lease: LeaseRef) -> Plan[None]:
             f"lease on {lease.name!r} (token {lease.token}) is no longer the live lease: "
             "it expired, was released, or another owner took it; roll back"
         )
-
-
-def _lease_check_sql(dialect: str, t: str) -> str:
-    if dialect == "postgresql":
-        # binds: name, owner, token. One row: the lease is live and now locked
-        # against a takeover (an acquire's UPDATE waits) until this transaction
-        # ends. Zero rows: expired, released or taken over. clock_timestamp(),
-        # not now(): now() is the time the transaction began.
-        return (
-            f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token"
-            " AND expires_at > clock_timestamp() FOR SHARE"
-        )
-    # SQLite, the same contract: a no-op UPDATE takes the database's write lock,
-    # so no acquire can write (take over) before this transaction ends.
-    return (
-        f"UPDATE {t} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
-        f" AND expires_at > {SQLITE_NOW} RETURNING token"
-    )
-
-
-def _shared_check_sql(dialect: str, t: str, h: str) -> str:
-    # A shared lease (read lock, semaphore slot): binds name, owner, token. One row: the
-    # holder's lease is live and no writer can take the name over (its acquire waits for
-    # the lock row, held FOR SHARE; SQLite: the database's write lock) until this
-    # transaction ends. Zero rows: expired, released, forgotten or taken over.
-    if dialect == "postgresql":
-        return (
-            f"SELECT x.token FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = '{SHARED_OWNER}'"
-            " WHERE x.name = :name AND x.owner = :owner AND x.token = :token"
-            " AND x.expires_at > clock_timestamp() FOR SHARE OF l"
-        )
-    return (
-        f"UPDATE {h} SET owner = owner WHERE name = :name AND owner = :owner AND token = :token"
-        f" AND expires_at > {SQLITE_NOW}"
-        f" AND EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = :name AND l.owner = '{SHARED_OWNER}') RETURNING token"
-    )
 
 
 @contextmanager
@@ -540,11 +502,10 @@ def _dialect(conn: Target) -> Dialect:
 
 
 def _insert_for(dialect: Dialect) -> Any:
-    if dialect.name == "postgresql":
-        return pg_dialect.insert
-    if dialect.name == "sqlite":
-        return sqlite_dialect.insert
-    raise ValueError(f"dblock's fenced upserts support PostgreSQL and SQLite, not {dialect.name}")
+    try:
+        return backends.of(dialect).insert()
+    except ValueError:
+        raise ValueError(f"dblock's fenced upserts support PostgreSQL and SQLite, not {dialect.name}") from None
 
 
 def _table(table: Any) -> Table:

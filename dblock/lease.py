@@ -180,7 +180,7 @@ class Lease(LeaseView):
         self.owner = owner
         self.token = token
         self._min_hold = min_hold
-        hold = metrics.recorder.hold(locker.engine.dialect.name, name)
+        hold = metrics.recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -16,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
-from . import metrics, statements
+from . import backends, metrics
 from ._cleanup import Cleanup
 from ._core import OUTAGE_RETRY_MIN, Grant
 from ._core import EXPIRY_LOOKERS as EXPIRY_LOOKERS, FALLBACK_MAX as FALLBACK_MAX, GRACE as GRACE  # as before
 from ._core import OUTAGE_RETRY_MAX as OUTAGE_RETRY_MAX  # importable here as before
 from ._driver import Busy, Driver, OutOfTime
-from ._engine import engine_for, use_wal
+from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._process import describe_process as describe_process  # importable here as before
 from ._redact import display_url
@@ -116,13 +115,12 @@ class Locker:
         self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
         self.op_timeout = opts.op_timeout
         self.engine, self._needs_migration, self._own_engine = engine_for(url)
-        if self.engine.dialect.name == "sqlite" and self.schema is not None:
-            raise ValueError("schema is not supported on SQLite; leave it None")
         where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
-        self._sql = statements.build(self.engine.dialect, self.table, self.schema)
-        self._driver = Driver(self.engine, where, self.table, prepare=prepare, size=max_connections)
-        self._queued = fair and self._sql.enqueue is not None  # PostgreSQL: waiters queue (a table of their own)
-        self._listener = Listener(self._driver.connect) if self._queued and notify else None
+        # The database's statements, decoders, connections and abilities (``dblock.backends``).
+        self.backend = backends.of(self.engine)(self.engine, self.table, self.schema, where, prepare=prepare)
+        self._driver = Driver(self.backend, size=max_connections)
+        self._queued = fair and self.backend.caps.fair_queue  # waiters queue (a table of their own)
+        self._listener = Listener(self._driver.connect) if self._queued and notify and self.backend.caps.notify else None
         self._cleanup = Cleanup()
         self._hot = Hotspot()
         # The fair queue's liveness: one heartbeat per Locker process, whatever the number of waiters.
@@ -231,9 +229,9 @@ class Locker:
         try:
             lease = acquire()
         except BaseException as exc:
-            metrics.recorder.waited(self._sql.dialect, name, started, exc)
+            metrics.recorder.waited(self.backend.name, name, started, exc)
             raise
-        metrics.recorder.waited(self._sql.dialect, name, started, lease)
+        metrics.recorder.waited(self.backend.name, name, started, lease)
         return lease
 
     def _try(
@@ -257,7 +255,7 @@ class Locker:
 
     def _beat(self) -> None:
         self._driver.run(
-            self._sql.beat,  # type: ignore[arg-type]
+            self.backend.queue.beat,
             {"proc": self._proc_id(), "lapse": self._lapse},
             deadline=self._deadline(),
         )
@@ -273,7 +271,9 @@ class Locker:
         bounds; elsewhere a statement may run ``GRACE`` past it, so the attempt
         in flight at the deadline is not cut off when the server is merely slow.
         """
-        return core.statement_deadline(time.monotonic(), deadline, self.op_timeout, self._sql.dialect == "sqlite")
+        return core.statement_deadline(
+            time.monotonic(), deadline, self.op_timeout, not self.backend.caps.cut_statements
+        )
 
     def _abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
         """An attempt for ``owner`` went unanswered: end in the background whatever it granted.
@@ -289,14 +289,13 @@ class Locker:
 
     def _forget(self, name: str, owner: str, shared: bool = False) -> None:
         """Take ``owner`` out of ``name``'s queue, and end its lease (a ``shared`` one) if it holds one."""
-        if self._sql.cancel is not None:  # PostgreSQL: the queue entry goes too
-            rows = self._driver.run(
-                self._sql.cancel, {"name": name, "owner": owner, "seq": None}, deadline=self._deadline()
-            ).rows
-        else:
-            owned = self._sql.share_owned if shared else self._sql.owned
-            rows = self._driver.run(owned, {"name": name, "owner": owner}, deadline=self._deadline()).rows  # type: ignore[arg-type]
-        token = core.owned_token(rows, self._sql.cancel is not None)
+        sql = self.backend.sql
+        # With a fair queue, owned is cancel: the queue entry goes too.
+        rows = self._driver.run(
+            sql.share_owned if shared else sql.owned, {"name": name, "owner": owner, "seq": None},
+            deadline=self._deadline(),
+        ).rows
+        token = self.backend.owned(rows)
         if token is not None:
             self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=shared)
 
@@ -416,7 +415,7 @@ class Locker:
                 sent_at = time.monotonic()
                 try:
                     rows = self._driver.run(
-                        self._sql.share_enqueue if shared else self._sql.enqueue,  # type: ignore[arg-type]
+                        self.backend.queue.share_enqueue if shared else self.backend.queue.enqueue,
                         {
                             "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
                             "proc": self._proc_id(), "lapse": self._lapse,
@@ -437,7 +436,7 @@ class Locker:
                         break
                     outage_delay = self._outage(exc, name, outage_delay, deadline)
                     continue
-                outcome = core.enqueued(rows)
+                outcome = self.backend.enqueued(rows)
                 if outcome is None:
                     continue  # a concurrent first acquire created the row just now: look again
                 if isinstance(outcome, Grant):
@@ -478,14 +477,14 @@ class Locker:
             # Out of time: leave the queue, unless a release handed us the lease first.
             try:
                 rows = self._driver.run(
-                    self._sql.cancel,  # type: ignore[arg-type]
+                    self.backend.queue.cancel,
                     {"name": name, "owner": owner, "seq": seq},
                     deadline=self._bound(deadline),
                 ).rows
             except DatabaseUnavailable as exc:
                 self._abandon(name, owner, ttl, limit)  # our entry dies with its own deadline anyway
                 raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
-            handed = core.cancelled(rows)
+            handed = self.backend.cancelled(rows)
             if handed is not None:
                 # A release handed us the lease, or an attempt whose reply was
                 # lost granted it. Either way after the last attempt that came
@@ -612,13 +611,13 @@ class Locker:
             deadline = self._deadline()
         sent_at = time.monotonic()
         result = self._driver.run(
-            self._sql.acquire,
+            self.backend.sql.acquire,
             {"name": name, "owner": owner, "ttl": ttl, "label": self._label()},
-            self._sql.holder,
+            self.backend.sql.holder,
             deadline=deadline,
             waiting=waiting,
         )
-        outcome = core.acquired(self._sql.dialect, result.rows, result.extra)
+        outcome = self.backend.acquired(result.rows, result.extra)
         if not isinstance(outcome, Grant):
             return Attempt(None, outcome.wait)
         log.debug("granted %r token=%s", name, outcome.token)
@@ -633,13 +632,13 @@ class Locker:
             deadline = self._deadline()
         sent_at = time.monotonic()
         result = self._driver.run(
-            self._sql.share_acquire,
+            self.backend.sql.share_acquire,
             {"name": name, "owner": owner, "ttl": ttl, "label": self._label(), "limit": limit},
-            self._sql.share_holder,
+            self.backend.sql.share_holder,
             deadline=deadline,
             waiting=waiting,
         )
-        outcome, free = core.share_acquired(self._sql.dialect, result.rows, result.extra)
+        outcome, free = self.backend.share_acquired(result.rows, result.extra)
         if not isinstance(outcome, Grant):
             return Attempt(None, outcome.wait)
         self._shared_hot.mark_full(name, free is not None and free <= 0)
@@ -734,26 +733,27 @@ class Locker:
         ``hold`` s after its grant if that has not passed yet (see ``statements.release_held``).
         ``shared``: a reader's or semaphore holder's lease (no hold)."""
         held = core.holds(hold) and not shared
+        sql = self.backend.sql
         if shared:
-            result = self._driver.run(self._sql.share_release, key, deadline=deadline)
+            result = self._driver.run(sql.share_release, key, deadline=deadline)
         elif held:
-            result = self._driver.run(self._sql.release_held, {**key, "hold": hold}, deadline=deadline)
+            result = self._driver.run(sql.release_held, {**key, "hold": hold}, deadline=deadline)
         else:
-            result = self._driver.run(self._sql.release, key, deadline=deadline)
+            result = self._driver.run(sql.release, key, deadline=deadline)
         rows = result.rows
         if not rows and result.retried:
             # The first try may have ended the lease before its reply was lost.
             # Ours ended without a takeover if the row still has our token, free.
             # (A hold the first try set is set again by the retry itself.)
-            released = self._sql.share_released if shared else self._sql.released
-            return core.ended(self._driver.run(released, key, deadline=deadline).rows, held=False)
-        return core.ended(rows, held)
+            released = sql.share_released if shared else sql.released
+            return self.backend.ended(self._driver.run(released, key, deadline=deadline).rows, held=False)
+        return self.backend.ended(rows, held)
 
     # -- operators ---------------------------------------------------------
     def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         self._ensure_schema()
-        rows = self._driver.run(self._sql.leases, {}, deadline=self._deadline()).rows
+        rows = self._driver.run(self.backend.sql.leases, {}, deadline=self._deadline()).rows
         return [
             LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
             for n, o, t, a, e, r, label, sh, lim in rows
@@ -765,10 +765,10 @@ class Locker:
         Counts live waiters of every Locker on this table, in any process. Empty
         on SQLite, which has no queue (its waiters poll and leave no trace).
         """
-        if self._sql.waiters is None:
+        if not self.backend.caps.fair_queue:
             return {}
         self._ensure_schema()
-        rows = self._driver.run(self._sql.waiters, {}, deadline=self._deadline()).rows
+        rows = self._driver.run(self.backend.queue.waiters, {}, deadline=self._deadline()).rows
         return {name: count for name, count in rows}
 
     def force_release(self, lease: LeaseInfo) -> bool:
@@ -797,11 +797,10 @@ class Locker:
         """
         age = check_ttl(older_than)
         self._ensure_schema()
-        rows = self._driver.run(
-            self._sql.prune, {"age": age}, before=self._sql.prune_lock, deadline=self._deadline()
-        ).rows
+        sql = self.backend.sql
+        rows = self._driver.run(sql.prune, {"age": age}, before=sql.prune_lock, deadline=self._deadline()).rows
         # Shared leases that ended long ago (names pruned or not): their rows go too.
-        self._driver.run(self._sql.share_prune, {"age": age}, deadline=self._deadline())
+        self._driver.run(sql.share_prune, {"age": age}, deadline=self._deadline())
         return len(rows)
 
     def close(self) -> None:
@@ -827,8 +826,7 @@ def make_schema(engine: Engine, table: str, schema: str | None) -> None:
     from . import migrate  # noqa: PLC0415 - Alembic loads only when the schema is made, not on every start
 
     with migrate.database_errors(engine, table):
-        if engine.dialect.name == "sqlite":
-            use_wal(engine)
+        backends.of(engine).prepare_database(engine)
         migrate.upgrade(engine, table, schema)
 
 
@@ -989,7 +987,7 @@ class Keeper:
         locker._ensure_schema()
         sent_at = time.monotonic()
         rows = locker._driver.run(
-            locker._sql.share_extend if self.shared else locker._sql.extend,
+            locker.backend.sql.share_extend if self.shared else locker.backend.sql.extend,
             {"name": name, "owner": owner, "token": token, "ttl": ttl},
             deadline=locker._deadline() if deadline is None else deadline,
         ).rows
@@ -1005,19 +1003,11 @@ class Keeper:
         """
         locker = self.locker
         batch = sorted(leases, key=lambda lease: lease.name)  # row locks in one order
-        if locker._sql.dialect == "postgresql":
-            params: dict[str, Any] = {
-                "names": [lease.name for lease in batch],
-                "owners": [lease.owner for lease in batch],
-                "tokens": [lease.token for lease in batch],
-                "ttls": [lease.ttl for lease in batch],
-            }
-        else:
-            params = {"batch": json.dumps([[lease.name, lease.owner, lease.token, lease.ttl] for lease in batch])}
+        params = locker.backend.batch([(lease.name, lease.owner, lease.token, lease.ttl) for lease in batch])
         sent_at = time.monotonic()
-        sql = locker._sql.share_extend_many if self.shared else locker._sql.extend_many
+        sql = locker.backend.sql.share_extend_many if self.shared else locker.backend.sql.extend_many
         rows = locker._driver.run(sql, params, deadline=deadline, waiting=True).rows
-        return sent_at, core.extended(rows, [(lease.name, lease.token) for lease in leases])
+        return sent_at, locker.backend.extended(rows, [(lease.name, lease.token) for lease in leases])
 
 
 class SharedKeeper(Keeper):

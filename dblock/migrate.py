@@ -21,14 +21,12 @@ from __future__ import annotations
 import io
 import logging
 import os
-import sqlite3
 import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -38,6 +36,7 @@ from sqlalchemy import Column, MetaData, String, Table, delete, inspect, select,
 from sqlalchemy.engine import Connection, Engine, Inspector
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from . import backends
 from ._redact import display_url
 from ._validate import check_identifier
 from .errors import DatabaseUnavailable, DBLockError, PermissionDenied, ReplicationWarning
@@ -148,12 +147,13 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
     dblock's history or by the app's own (README, "Adding dblock to an existing
     app"), are left as they are.
     """
-    if engine.dialect.name == "postgresql":
+    caps = backends.of(engine).caps
+    if caps.replication:
         check_replication(engine)
     if revision == "heads" and _at_head(engine, table, schema):
         return
     cfg = alembic_config(table, schema)
-    if engine.dialect.name == "sqlite":
+    if not caps.advisory_lock:
         # SQLite's DDL is transactional; BEGIN IMMEDIATE takes the write lock up
         # front so a racing create_schema waits and then finds the tables made.
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -220,7 +220,7 @@ def downgrade(engine: Engine, table: str, schema: str | None, revision: str = "b
     cfg = alembic_config(table, schema)
     ours = frozenset(known)
     with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
+        if backends.of(engine).caps.advisory_lock:
             _serialise(conn, table, schema)
         insp = inspect(conn)
         recorded = _versions(conn, insp, version_table_name(table), schema)
@@ -354,13 +354,14 @@ def _app_context_kept(app: MigrationContext) -> Iterator[None]:
 
 def _upgrade_online(conn: Connection, app: MigrationContext, cfg: Config, table: str, schema: str | None) -> None:
     heads, ours = _revisions(cfg)
-    if conn.dialect.name == "postgresql":
+    caps = backends.of(conn).caps
+    if caps.replication:
         check_replication(conn, stacklevel=4)  # at the env.py line that calls run_with
     old = _old_setup(conn, app, ours)
     state, recorded = _look(conn, table, schema, heads, ours)
     if not old and (state == "current" or (state == "complete" and recorded)):
         return  # at dblock's head, or a newer dblock's tables that have what this one needs
-    if conn.dialect.name == "postgresql":
+    if caps.advisory_lock:
         _serialise(conn, table, schema)  # a create_schema() racing this waits until the app's run commits
         old = _old_setup(conn, app, ours)
         state, recorded = _look(conn, table, schema, heads, ours)
@@ -549,7 +550,8 @@ def _has_head_objects(insp: Inspector, table: str, schema: str | None) -> bool:
     """Whether every object of dblock's head is there: dblock.schema declares them (the drift test
     in tests/test_migrations.py checks that the migrations make exactly those)."""
     declared_tables = [locks_table(table, schema), fences_table(table, schema), holders_table(table, schema)]
-    if insp.dialect.name == "postgresql":  # the fair queue (SQLite's waiters poll)
+    caps = backends.of(insp).caps
+    if caps.fair_queue:  # the fair queue's tables (without one, waiters poll)
         declared_tables += [waiters_table(table, schema), procs_table(table, schema)]
     for declared in declared_tables:
         if not insp.has_table(declared.name, schema=schema):
@@ -557,31 +559,23 @@ def _has_head_objects(insp: Inspector, table: str, schema: str | None) -> bool:
         present = {c["name"] for c in insp.get_columns(declared.name, schema=schema)}
         if not {c.name for c in declared.columns} <= present:
             return False
-    if insp.dialect.name == "postgresql":
+    if caps.token_sequence:
         return token_sequence_name(table) in insp.get_sequence_names(schema=schema)
     return token_index_name(table) in {i["name"] for i in insp.get_indexes(table, schema=schema)}
 
 
 # -- errors ------------------------------------------------------------------------
-_UNAVAILABLE_SQLSTATES = {
-    "53300",  # too_many_connections
-    "57014",  # query_canceled: a statement outlived its time limit
-    "57P01",  # admin_shutdown
-    "57P02",  # crash_shutdown
-    "57P03",  # cannot_connect_now
-}
-
-
 @contextmanager
 def database_errors(engine: Engine, table: str) -> Iterator[None]:
     """Turn the database errors of making the schema into dblock's, keeping the sqlstate."""
+    errors: tuple[type[BaseException], ...] = (SQLAlchemyError, *backends.of(engine).errors)
     try:
         yield
-    except (SQLAlchemyError, psycopg.Error, sqlite3.Error) as exc:
+    except errors as exc:
         raise _translate(exc, engine, table) from exc
 
 
-def _translate(exc: Exception, engine: Engine, table: str) -> DBLockError:
+def _translate(exc: BaseException, engine: Engine, table: str) -> DBLockError:
     orig: BaseException = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
     lines = str(orig).strip().splitlines()
     reason = lines[0] if lines else type(orig).__name__
@@ -597,13 +591,7 @@ def _translate(exc: Exception, engine: Engine, table: str) -> DBLockError:
             "and create_schema() changes nothing while the tables are current",
             sqlstate=sqlstate,
         )
-    if engine.dialect.name == "sqlite":
-        return _translate_sqlite(orig, reason, engine.url.database or "")
-    if (isinstance(exc, DBAPIError) and exc.connection_invalidated) or (
-        sqlstate is None and isinstance(orig, psycopg.OperationalError)  # no server reply: refused, lost, timed out
-    ) or (sqlstate is not None and (sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES)):
-        return DatabaseUnavailable(f"cannot reach {where}: {reason}", sqlstate=sqlstate)
-    return DBLockError(f"cannot create or upgrade dblock's table {table!r} in {where}: {reason}", sqlstate=sqlstate)
+    return backends.of(engine).schema_error(exc, orig, reason, where, table, engine.url.database or "")
 
 
 def _needed(statement: str) -> str:
@@ -617,20 +605,3 @@ def _needed(statement: str) -> str:
     if verb.startswith(("ALTER", "DROP")):
         return f" ({verb} needs to be run by the table's owner)"
     return ""
-
-
-def _translate_sqlite(orig: BaseException, reason: str, path: str) -> DBLockError:
-    code = getattr(orig, "sqlite_errorname", "")  # Python 3.11+; the message otherwise
-    embedded = path == str(default_sqlite_path())
-    elsewhere = (
-        "set DBLOCK_HOME to another directory" if embedded and os.environ.get("DBLOCK_HOME") else "use another file"
-    )
-    if code == "SQLITE_NOTADB" or "file is not a database" in reason:
-        return DBLockError(f"{path} is not a SQLite database ({reason}): move it aside, or {elsewhere}")
-    if code == "SQLITE_CORRUPT" or "malformed" in reason:
-        return DBLockError(f"{path} is damaged ({reason}): restore it, or move it aside and {elsewhere}")
-    if code == "SQLITE_CANTOPEN" or "unable to open" in reason:
-        return DatabaseUnavailable(f"cannot open {path}: {reason}")
-    if code == "SQLITE_BUSY" or "locked" in reason:
-        return DatabaseUnavailable(f"{path} stayed locked by another writer: {reason}")
-    return DBLockError(f"cannot create or upgrade dblock's table in {path}: {reason}")

@@ -32,13 +32,13 @@ def main() -> None:
     limits, writers, wait = spec.get("limits", [None]), float(spec.get("writers", 0.0)), bool(spec.get("wait"))
     locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **spec.get("options", {}))
     if spec.get("broken") == "limit":  # the shared acquire forgets the caller's limit
-        sql = locker._sql.share_acquire.replace("%(limit)s", "NULL").replace(":limit", "NULL")
-        locker._sql = dataclasses.replace(locker._sql, share_acquire=sql)
+        sql = locker.backend.sql.share_acquire.replace("%(limit)s", "NULL").replace(":limit", "NULL")
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, share_acquire=sql)
     elif spec.get("broken") == "writer":  # the write (exclusive) acquire ignores shared holders
-        sql = locker._sql.acquire.replace("l.owner IS NULL OR", "l.owner IS NULL OR l.owner = '*shared' OR")
+        sql = locker.backend.sql.acquire.replace("l.owner IS NULL OR", "l.owner IS NULL OR l.owner = '*shared' OR")
         sql = sql.replace("WHERE owner IS NULL OR", "WHERE owner IS NULL OR owner = '*shared' OR")
-        assert sql != locker._sql.acquire
-        locker._sql = dataclasses.replace(locker._sql, acquire=sql)
+        assert sql != locker.backend.sql.acquire
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, acquire=sql)
     locker.leases()
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())

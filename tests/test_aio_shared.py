@@ -218,7 +218,7 @@ async def test_a_writers_release_admits_the_queued_readers_in_its_own_statement(
         assert await held.release()
         assert (holding(pg, "n"), in_line(pg, "n")) == (4, 1)
         leases = await asyncio.wait_for(asyncio.gather(*waits), 30)
-        assert sent == [readers._sql.share_enqueue] * 4  # one enqueue each: woken, never looking again
+        assert sent == [readers.backend.queue.share_enqueue] * 4  # one enqueue each: woken, never looking again
         assert all(lease.shared for lease in leases) and min(lease.token for lease in leases) > held.token
         assert not writer.done()
         for lease in leases:
@@ -344,7 +344,7 @@ async def test_a_lost_reply_to_a_shared_grant_is_ended_in_the_background(db: Db)
 
         async def lose_the_grant(sql: str, params: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
             result = await run(sql, params, *args, **kwargs)
-            if sql == locker._sql.share_acquire:
+            if sql == locker.backend.sql.share_acquire:
                 grants.append(result)
                 raise DatabaseUnavailable("the reply was lost (test)")
             return result
@@ -353,7 +353,7 @@ async def test_a_lost_reply_to_a_shared_grant_is_ended_in_the_background(db: Db)
         with pytest.raises(DatabaseUnavailable):
             await locker.semaphore("doubt", 2).try_acquire(ttl=60)
         (result,) = grants
-        assert core.share_acquired(locker._sql.dialect, result.rows, result.extra)[0].token > 0  # it was granted
+        assert locker.backend.share_acquired(result.rows, result.extra)[0].token > 0  # it was granted
         await until(lambda: holding(db, "doubt") == 0, "the clean-up to end the unanswered grant")
         assert in_line(db, "doubt") == 0
 

@@ -10,11 +10,12 @@ import pytest
 
 from dblock import _core as core
 from dblock._core import Grant, Miss, Queued
+from dblock.backends import Backend, PostgreSQL, SQLite
 
 T0 = datetime(2026, 11, 22, 12, 0, tzinfo=timezone.utc)
 
 
-# -- rows into outcomes ---------------------------------------------------------
+# -- rows into outcomes (each backend decodes its own) ---------------------------------------------------------
 def test_when_keeps_datetimes_and_reads_sqlite_seconds_as_utc() -> None:
     assert core.when(T0) is T0
     assert core.when(T0.timestamp()) == T0
@@ -23,44 +24,44 @@ def test_when_keeps_datetimes_and_reads_sqlite_seconds_as_utc() -> None:
 
 
 def test_postgresql_acquire_row_is_a_grant_or_a_miss_with_its_wait() -> None:
-    assert core.acquired("postgresql", [(True, 7, T0, None)], []) == Grant(7, T0)
-    assert core.acquired("postgresql", [(False, None, None, 2.5)], []) == Miss(2.5)
-    assert core.acquired("postgresql", [(False, None, None, None)], []) == Miss(None)  # free again just now
+    assert PostgreSQL.acquired([(True, 7, T0, None)], []) == Grant(7, T0)
+    assert PostgreSQL.acquired([(False, None, None, 2.5)], []) == Miss(2.5)
+    assert PostgreSQL.acquired([(False, None, None, None)], []) == Miss(None)  # free again just now
     # Zero rows: a concurrent first acquire created the row; nothing known about when it ends.
-    assert core.acquired("postgresql", [], []) == Miss(None)
+    assert PostgreSQL.acquired([], []) == Miss(None)
 
 
 def test_sqlite_acquire_row_is_a_grant_or_the_holders_wait() -> None:
-    assert core.acquired("sqlite", [(3, T0.timestamp())], []) == Grant(3, T0)
-    assert core.acquired("sqlite", [], [(1.25,)]) == Miss(1.25)
-    assert core.acquired("sqlite", [], [(None,)]) == Miss(None)
-    assert core.acquired("sqlite", [], []) == Miss(None)  # no row at all
+    assert SQLite.acquired([(3, T0.timestamp())], []) == Grant(3, T0)
+    assert SQLite.acquired([], [(1.25,)]) == Miss(1.25)
+    assert SQLite.acquired([], [(None,)]) == Miss(None)
+    assert SQLite.acquired([], []) == Miss(None)  # no row at all
 
 
 def test_enqueue_row_is_a_grant_a_place_in_line_or_look_again() -> None:
-    assert core.enqueued([(True, 9, T0, None, None, None, None)]) == Grant(9, T0)
-    queued = core.enqueued([(False, None, None, 4.0, 12, 2, "1700000000.5")])
+    assert PostgreSQL.enqueued([(True, 9, T0, None, None, None, None)]) == Grant(9, T0)
+    queued = PostgreSQL.enqueued([(False, None, None, 4.0, 12, 2, "1700000000.5")])
     assert queued == Queued(4.0, 12, 2, 1700000000.5)
     assert isinstance(queued, Queued) and isinstance(queued.at, float)
-    assert core.enqueued([]) is None
+    assert PostgreSQL.enqueued([]) is None
 
 
 def test_cancel_row_tells_a_lease_handed_first_from_a_plain_exit() -> None:
-    assert core.cancelled([(True, 5, T0)]) == Grant(5, T0)
-    assert core.cancelled([(False, None, None)]) is None
-    assert core.cancelled([]) is None
+    assert PostgreSQL.cancelled([(True, 5, T0)]) == Grant(5, T0)
+    assert PostgreSQL.cancelled([(False, None, None)]) is None
+    assert PostgreSQL.cancelled([]) is None
 
 
 def test_release_rows_say_ended_or_held_until_when() -> None:
     # The plain release: PostgreSQL's (token, handed), SQLite's (token,); zero rows: not ours.
-    assert core.ended([(4, True)], held=False) == core.Ended(True, None)
-    assert core.ended([(4,)], held=False) == core.Ended(True, None)
-    assert core.ended([], held=False) == core.Ended(False, None)
+    assert Backend.ended([(4, True)], held=False) == core.Ended(True, None)
+    assert Backend.ended([(4,)], held=False) == core.Ended(True, None)
+    assert Backend.ended([], held=False) == core.Ended(False, None)
     # release_held: (token, handed, held_until); NULL held_until: the hold had passed, it ended now.
-    assert core.ended([(4, False, T0)], held=True) == core.Ended(True, T0)
-    assert core.ended([(4, 0, T0.timestamp())], held=True) == core.Ended(True, T0)  # SQLite keeps seconds
-    assert core.ended([(4, True, None)], held=True) == core.Ended(True, None)
-    assert core.ended([], held=True) == core.Ended(False, None)
+    assert Backend.ended([(4, False, T0)], held=True) == core.Ended(True, T0)
+    assert Backend.ended([(4, 0, T0.timestamp())], held=True) == core.Ended(True, T0)  # SQLite keeps seconds
+    assert Backend.ended([(4, True, None)], held=True) == core.Ended(True, None)
+    assert Backend.ended([], held=True) == core.Ended(False, None)
 
 
 def test_only_a_positive_min_hold_takes_the_held_release() -> None:
@@ -72,8 +73,8 @@ def test_extend_many_rows_match_leases_by_name_and_token_in_the_callers_order() 
     later = T0 + timedelta(seconds=30)
     rows = [("b", 2, later), ("a", 1, T0.timestamp())]
     # "c" was taken over; "a" with an older token is not the lease extended.
-    assert core.extended(rows, [("a", 1), ("c", 3), ("b", 2), ("a", 0)]) == [T0, None, later, None]
-    assert core.extended([], [("a", 1)]) == [None]
+    assert Backend.extended(rows, [("a", 1), ("c", 3), ("b", 2), ("a", 0)]) == [T0, None, later, None]
+    assert Backend.extended([], [("a", 1)]) == [None]
 
 
 # -- pauses ---------------------------------------------------------------------------

@@ -657,13 +657,17 @@ def test_without_the_row_lock_the_takeover_slips_in(
     db: Db, counter: Counter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mutant: the same check as a plain read. The takeover is then granted before the commit."""
-    import dblock.fencing as fencing
+    from dblock.backends import PostgreSQL, SQLite
+    from dblock.statements import SQLITE_NOW
 
-    def plain_read(dialect: str, t: str) -> str:
-        now = "clock_timestamp()" if dialect == "postgresql" else fencing.SQLITE_NOW
-        return f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token AND expires_at > {now}"
+    def plain_read(now: str) -> Any:
+        return classmethod(
+            lambda cls, t: f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token"
+            f" AND expires_at > {now}"
+        )
 
-    monkeypatch.setattr(fencing, "_lease_check_sql", plain_read)
+    monkeypatch.setattr(PostgreSQL, "lease_check", plain_read("clock_timestamp()"))
+    monkeypatch.setattr(SQLite, "lease_check", plain_read(SQLITE_NOW))
     before, _ = _guarded_takeover(db, counter)
     assert before is True
 

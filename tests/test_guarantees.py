@@ -169,7 +169,7 @@ def test_g2_token_is_drawn_after_the_row_lock(pg: Db, variant: str) -> None:
             acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at
         WHERE {t}.owner IS NULL OR {t}.expires_at <= now()
         RETURNING true, token, expires_at, NULL::float8"""
-        locker._sql = dataclasses.replace(locker._sql, acquire=broken)
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, acquire=broken)
 
     blocker = psycopg.connect(libpq_dsn(pg.url))
     blocker.execute(f"SELECT 1 FROM {t} WHERE name = 'x' FOR UPDATE")

@@ -200,10 +200,10 @@ def test_without_a_hold_release_sends_the_plain_statement_as_before(db: Db) -> N
         lease = locker.try_acquire("plain", min_hold=hold)
         assert lease is not None and lease.min_hold == 0
         assert lease.release() is True and lease.held_until is None
-    assert sent.count(locker._sql.release) == 3 and locker._sql.release_held not in sent
+    assert sent.count(locker.backend.sql.release) == 3 and locker.backend.sql.release_held not in sent
     lease = locker.try_acquire("plain", min_hold=10)
     assert lease is not None and lease.release() is True
-    assert sent[-1] == locker._sql.release_held and sent.count(locker._sql.release) == 3
+    assert sent[-1] == locker.backend.sql.release_held and sent.count(locker.backend.sql.release) == 3
 
 
 def test_a_held_release_is_one_round_trip_kept_or_ended(pg: Db, proxy: PgProxy) -> None:

@@ -63,7 +63,7 @@ def test_failed_attempts_write_no_wal(pg: Db, variant: str) -> None:
             acquired_at = now(), expires_at = EXCLUDED.expires_at
         WHERE {t}.owner IS NULL OR {t}.expires_at <= now()
         RETURNING true, token, expires_at, NULL::float8"""
-        locker._sql = dataclasses.replace(locker._sql, acquire=naive)
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, acquire=naive)
     locker.try_acquire("warm")  # connect and prepare outside the measurement
     with psycopg.connect(libpq_dsn(pg.url), autocommit=True) as conn:
         written = _wal_bytes(conn, lambda: [locker.try_acquire("held") for _ in range(100)])
@@ -211,7 +211,7 @@ def test_g2_prune_cannot_slip_under_a_first_insert(pg: Db, variant: str) -> None
     if variant != "dblock":
         import dataclasses
 
-        locker._sql = dataclasses.replace(locker._sql, prune_lock=None)
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, prune_lock=None)
     gate = psycopg.connect(libpq_dsn(pg.url), autocommit=True)
     gate.execute("SELECT pg_advisory_lock(7002)")
     watcher = psycopg.connect(libpq_dsn(pg.url), autocommit=True)

@@ -706,7 +706,7 @@ def test_a_writers_release_wakes_the_readers_it_admits(pg: Db) -> None:
     assert held.release()
     assert (holding(pg, "n"), in_line(pg, "n")) == (4, 1)
     leases = [joined(*w) for w in waits]
-    assert sent == [readers._sql.share_enqueue] * 4  # one enqueue each: woken, never looking again
+    assert sent == [readers.backend.queue.share_enqueue] * 4  # one enqueue each: woken, never looking again
     assert min(lease.token for lease in leases) > held.token
     for lease in leases:
         assert lease.release()
@@ -860,8 +860,8 @@ def test_g2_a_shared_grant_draws_its_token_after_the_row_lock(pg: Db, variant: s
         broken = definition.replace(draw, "").replace(f"{t}_share_acquire", f"{t}_share_broken")
         broken = broken.replace("    -- Under the row's lock", draw + "    -- Under the row's lock")
         pg.query(broken)
-        sql = locker._sql.share_acquire.replace(f"{t}_share_acquire", f"{t}_share_broken")
-        locker._sql = dataclasses.replace(locker._sql, share_acquire=sql)
+        sql = locker.backend.sql.share_acquire.replace(f"{t}_share_acquire", f"{t}_share_broken")
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, share_acquire=sql)
 
     blocker = psycopg.connect(libpq_dsn(pg.url))
     blocker.execute(f"SELECT 1 FROM {t} WHERE name = 'x' FOR UPDATE")

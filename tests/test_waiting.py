@@ -131,7 +131,7 @@ def test_a_queued_waiter_is_not_starved_by_a_busy_neighbour(pg: Db) -> None:
 
     def watch(conn: Any, sql: str, params: dict[str, Any]) -> Any:
         rows = execute(conn, sql, params)
-        if sql == patient._sql.enqueue and rows and not rows[0][0]:
+        if sql == patient.backend.queue.enqueue and rows and not rows[0][0]:
             queued_at.append(len(grants))
         return rows
 
@@ -337,7 +337,7 @@ def test_a_handed_lease_is_trusted_from_the_hand_off_not_from_the_last_look(pg: 
     [(left,)] = pg.query(f"SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM {pg.table} WHERE name = 'aged'")
     assert trusted <= float(left) + 0.005, "trusted past the database's expiry"
     assert trusted > 1.0, f"only {trusted:.3f} s of 2 trusted: the hand-off was aged by the last look"
-    assert waiter._sql.extend not in sent
+    assert waiter.backend.sql.extend not in sent
 
 
 @pytest.mark.parametrize("verb", ["extend", "retry"])
@@ -589,7 +589,7 @@ def test_joining_a_short_line_reads_only_that_line(pg: Db) -> None:
             "name": name, "owner": os.urandom(16).hex(), "ttl": 600, "label": None, "proc": "p", "lapse": 3600,
             "pid": None, "start": None, "until": 600, "seq": None,
         }
-        return conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker._sql.enqueue, params).fetchone()[0]
+        return conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker.backend.queue.enqueue, params).fetchone()[0]
 
     # Past PL/pgSQL's five custom plans, lines of all lengths: the cached generic plan is in use.
     for _ in range(10):
@@ -635,7 +635,7 @@ def test_a_hand_over_reads_the_head_of_the_line_not_all_of_it(pg: Db) -> None:
         """Buffers one release touches; it hands the lease to the head of the line."""
         ((owner, token),) = conn.execute(f"SELECT owner, token FROM {t} WHERE name = 'long'").fetchall()
         params = {"name": "long", "owner": owner, "token": token}
-        ((plans,),) = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker._sql.release, params).fetchall()
+        ((plans,),) = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker.backend.sql.release, params).fetchall()
         plan = plans[0]["Plan"]
         assert conn.execute(f"SELECT owner <> %s FROM {t} WHERE name = 'long'", (owner,)).fetchone() == (True,)
         return int(plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0))

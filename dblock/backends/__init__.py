@@ -1,0 +1,32 @@
+"""The databases dblock runs on, one module each, behind one seam (``base.Backend``).
+
+This is the one place that maps a SQLAlchemy dialect to dblock's backend for
+it. Adding a database: a module beside these with a ``Backend`` subclass
+(statements, decoders, connections, capabilities), one line in ``_BACKENDS``,
+its migrations' DDL (``migrations/``) and the backend contract test's fixture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Backend, Capabilities, QueueStatements, Statements, Unsupported
+from .postgresql import PostgreSQL
+from .sqlite import SQLite
+
+__all__ = ["Backend", "Capabilities", "PostgreSQL", "QueueStatements", "SQLite", "Statements", "Unsupported", "of"]
+
+_BACKENDS: dict[str, type[Backend]] = {PostgreSQL.name: PostgreSQL, SQLite.name: SQLite}
+
+
+def of(bind: Any) -> type[Backend]:
+    """The backend class of a SQLAlchemy ``Engine``, ``Connection``, ``Dialect``, ``Inspector`` or URL backend name.
+
+    ``ValueError`` for a database dblock has no backend for.
+    """
+    name = bind if isinstance(bind, str) else getattr(getattr(bind, "dialect", bind), "name", None)
+    backend = _BACKENDS.get(name) if isinstance(name, str) else None
+    if backend is None:
+        known = " and ".join(b.title for b in _BACKENDS.values())
+        raise ValueError(f"dblock runs on {known}, not {name or bind!r}")
+    return backend

@@ -1,0 +1,630 @@
+"""PostgreSQL, the reference backend: psycopg 3, a fair queue in PL/pgSQL, LISTEN/NOTIFY.
+
+Everything dblock knows about PostgreSQL lives here: every lock statement with
+its contract comment, the row decoders, how a connection is opened (each host
+of a multi-host URL with its share of the deadline, keepalives set) and how a
+driver error becomes dblock's own. The functions the statements call (the fair
+queue's hand-off, the shared leases' verbs) are made by the migrations; their
+text, as the database runs it, is in ``postgresql.sql`` beside this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any, Iterator, Sequence
+
+import psycopg
+from psycopg.adapt import AdaptersMap
+from psycopg.conninfo import conninfo_attempts
+from psycopg.types.numeric import Int8Dumper
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy.exc import DBAPIError
+
+from .. import _core as core
+from .._core import Grant, Miss, Queued, Rows
+from .._faults import OutOfTime, first_line, missing_schema_hint
+from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
+from ..schema import (
+    holders_table_name,
+    procs_table_name,
+    queue_function_names,
+    shared_function_names,
+    shared_queue_function_names,
+    token_sequence_name,
+    waiters_table_name,
+)
+from .base import SHARED as _SHARED
+from .base import Backend, Capabilities, QueueStatements, Statements, leases_statement
+
+MIN_CONNECT_TIMEOUT = 2  # libpq counts connect_timeout in whole seconds, and at least 2
+# SQLSTATE classes of a server that is going away, starting up or out of room:
+# connection exception, operator intervention (shutdown, crash recovery), insufficient resources.
+_OUTAGE_CLASSES = ("08", "57", "53")
+# The fair queue's NOTIFY: a hand-off to owner "<listener id><wait id>" goes to channel
+# CHANNEL_PREFIX + listener id with the payload "owner token expiry" (migration 0005's hand-off).
+CHANNEL_PREFIX = "dblock_"
+# Errors of making the schema that mean the server is out of reach, not that the DDL is wrong.
+_UNAVAILABLE_SQLSTATES = {
+    "53300",  # too_many_connections
+    "57014",  # query_canceled: a statement outlived its time limit
+    "57P01",  # admin_shutdown
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now
+}
+
+
+class PostgreSQL(Backend):
+    name = "postgresql"
+    title = "PostgreSQL"
+    caps = Capabilities(
+        fair_queue=True, notify=True, schemas=True, cut_statements=True, batch_binds="arrays",
+        server_prepare=True, token_sequence=True, advisory_lock=True, replication=True,
+    )
+    errors = (psycopg.Error,)
+
+    def __init__(self, engine: Engine, table: str, schema: str | None, where: str, *, prepare: bool = True) -> None:
+        super().__init__(engine, table, schema, where, prepare=prepare)
+        self._params = connect_params(engine)
+
+    # -- statements ------------------------------------------------------------
+    @classmethod
+    def statements(cls, dialect: Dialect, table: str, schema: str | None) -> Statements:
+        names = _Names(dialect, table, schema)
+        exclusive = _postgresql(
+            names.table, names.seq, names.procs, names.enqueue, names.handoff, names.cancel, names.queue
+        )
+        shared = _postgresql_shared(names.table, names.holders, *names.shared)
+        return Statements(
+            acquire=exclusive["acquire"], holder=None, release=exclusive["release"],
+            release_held=exclusive["release_held"], released=exclusive["released"], extend=exclusive["extend"],
+            extend_many=exclusive["extend_many"], prune=exclusive["prune"], prune_lock=exclusive["prune_lock"],
+            # After a lost reply the owner leaves the queue too: cancel, exclusive and shared alike.
+            owned=exclusive["cancel"], share_owned=exclusive["cancel"], share_holder=None, **shared,
+        )
+
+    @classmethod
+    def queue_statements(cls, dialect: Dialect, table: str, schema: str | None) -> QueueStatements:
+        names = _Names(dialect, table, schema)
+        exclusive = _postgresql(
+            names.table, names.seq, names.procs, names.enqueue, names.handoff, names.cancel, names.queue
+        )
+        return QueueStatements(
+            enqueue=exclusive["enqueue"], share_enqueue=_share_enqueue(names.share_enqueue),
+            cancel=exclusive["cancel"], beat=exclusive["beat"], waiters=exclusive["waiters"],
+        )
+
+    # -- rows into outcomes ----------------------------------------------------
+    @staticmethod
+    def acquired(rows: Rows, holder: Rows) -> Grant | Miss:
+        if not rows:
+            return Miss(None)  # a concurrent first acquire created the row just now
+        granted, token, expires_at, wait = rows[0]
+        if not granted:
+            return Miss(wait)
+        return Grant(token, core.when(expires_at))
+
+    @staticmethod
+    def share_acquired(rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
+        granted, token, expires_at, wait, free = rows[0]
+        if not granted:
+            return Miss(wait), None
+        return Grant(token, core.when(expires_at)), free
+
+    @staticmethod
+    def owned(rows: Rows) -> int | None:
+        # owned is cancel here: it took the owner out of the queue, and reports the
+        # lease a release handed it (or the one it already held) as granted.
+        grant = PostgreSQL.cancelled(rows)
+        return None if grant is None else grant.token
+
+    @staticmethod
+    def enqueued(rows: Rows) -> Grant | Queued | None:
+        if not rows:
+            return None
+        granted, token, expires_at, wait, seq, ahead, at = rows[0]
+        if granted:
+            return Grant(token, core.when(expires_at))
+        return Queued(wait, seq, ahead, float(at))
+
+    @staticmethod
+    def cancelled(rows: Rows) -> Grant | None:
+        if rows and rows[0][0]:
+            return Grant(rows[0][1], core.when(rows[0][2]))
+        return None
+
+    @staticmethod
+    def batch(leases: Sequence[tuple[str, str, int, float]]) -> dict[str, Any]:
+        return {
+            "names": [lease[0] for lease in leases],
+            "owners": [lease[1] for lease in leases],
+            "tokens": [lease[2] for lease in leases],
+            "ttls": [lease[3] for lease in leases],
+        }
+
+    # -- connections -----------------------------------------------------------
+    def connect(self, deadline: float) -> Any:
+        failed: list[psycopg.Error] = []
+        attempts = host_attempts(self._params)
+        for kwargs in connect_plan(attempts, deadline, self.where):
+            try:
+                return psycopg.Connection.connect(
+                    autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
+                )
+            except psycopg.Error as exc:
+                failed.append(exc)
+        raise connect_failed(self.where, failed, len(attempts))
+
+    def execute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        # Prepared once per connection, then one round trip per call
+        # (unless prepare=False: then each call sends its text unnamed).
+        cursor.execute(sql, params, prepare=self.prepare)
+        return cursor.fetchall() if cursor.description is not None else []
+
+    async def aconnect(self, deadline: float) -> Any:
+        failed: list[psycopg.Error] = []
+        attempts = host_attempts(self._params)
+        for i, kwargs in enumerate(connect_plan(attempts, deadline, self.where)):
+            # libpq counts connect_timeout in whole seconds, at least 2; asyncio can keep
+            # each host to its share of the time left exactly.
+            share = max(0.001, (deadline - time.monotonic()) / (len(attempts) - i))
+            try:
+                return await asyncio.wait_for(
+                    psycopg.AsyncConnection.connect(
+                        autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
+                    ),
+                    share,
+                )
+            except psycopg.Error as exc:
+                failed.append(exc)
+            except asyncio.TimeoutError:
+                failed.append(psycopg.OperationalError(f"no answer within {share:.3g} s (connect)"))
+        raise connect_failed(self.where, failed, len(attempts))
+
+    async def aexecute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        await cursor.execute(sql, params, prepare=self.prepare)
+        return list(await cursor.fetchall()) if cursor.description is not None else []
+
+    def is_broken(self, raw: Any) -> bool:
+        return bool(raw.broken or raw.closed)
+
+    def translate(self, exc: BaseException) -> DBLockError:
+        return translate(exc, self.where, self.table)
+
+    # -- fencing -------------------------------------------------------------
+    @classmethod
+    def lease_check(cls, t: str) -> str:
+        # binds: name, owner, token. One row: the lease is live and now locked
+        # against a takeover (an acquire's UPDATE waits) until this transaction
+        # ends. Zero rows: expired, released or taken over. clock_timestamp(),
+        # not now(): now() is the time the transaction began.
+        return (
+            f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token"
+            " AND expires_at > clock_timestamp() FOR SHARE"
+        )
+
+    @classmethod
+    def shared_check(cls, t: str, h: str) -> str:
+        return (
+            f"SELECT x.token FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = {_SHARED}"
+            " WHERE x.name = :name AND x.owner = :owner AND x.token = :token"
+            " AND x.expires_at > clock_timestamp() FOR SHARE OF l"
+        )
+
+    @classmethod
+    def insert(cls) -> Any:
+        return pg_insert
+
+    # -- migrations ------------------------------------------------------------
+    @classmethod
+    def schema_error(
+        cls, exc: BaseException, orig: BaseException, reason: str, where: str, table: str, path: str
+    ) -> DBLockError:
+        sqlstate = getattr(orig, "sqlstate", None)
+        if (isinstance(exc, DBAPIError) and exc.connection_invalidated) or (
+            sqlstate is None and isinstance(orig, psycopg.OperationalError)  # no server reply: refused, lost, timed out
+        ) or (sqlstate is not None and (sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES)):
+            return DatabaseUnavailable(f"cannot reach {where}: {reason}", sqlstate=sqlstate)
+        return DBLockError(
+            f"cannot create or upgrade dblock's table {table!r} in {where}: {reason}", sqlstate=sqlstate
+        )
+
+
+class _Names:
+    """The quoted, schema-qualified names of a table's objects, as the statements use them."""
+
+    def __init__(self, dialect: Dialect, table: str, schema: str | None) -> None:
+        quote = dialect.identifier_preparer.quote
+        prefix = quote(schema) + "." if schema else ""
+        self.table = prefix + quote(table)
+        self.enqueue, self.handoff, self.cancel = (prefix + quote(n) for n in queue_function_names(table))
+        self.seq = prefix + quote(token_sequence_name(table))
+        self.procs = prefix + quote(procs_table_name(table))
+        self.queue = prefix + quote(waiters_table_name(table))
+        self.holders = prefix + quote(holders_table_name(table))
+        self.shared = [prefix + quote(n) for n in shared_function_names(table)]
+        self.share_enqueue = prefix + quote(shared_queue_function_names(table)[1])
+
+
+# -- errors and connections (the asyncio face's too) -----------------------------------
+def translate(exc: BaseException, where: str, table: str) -> DBLockError:
+    """A psycopg error of a lock statement as dblock's own."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return SchemaMissing(
+            f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint()}", sqlstate=sqlstate
+        )
+    if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)):
+        return SchemaMissing(
+            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
+            f"{missing_schema_hint(upgrade=True)}",
+            sqlstate=sqlstate,
+        )
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return PermissionDenied(
+            f"{where}: {first_line(exc)} (grant the privileges listed in the README's "
+            "least-privilege section)",
+            sqlstate=sqlstate,
+        )
+    if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:
+        return DatabaseUnavailable(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
+    return DBLockError(f"{where}: {first_line(exc)}", sqlstate=sqlstate)
+
+
+def connect_params(engine: Engine) -> dict[str, Any]:
+    """psycopg connection parameters from a PostgreSQL engine's URL (the query's too)."""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    params = {**dict(cparams), **_conninfo_args(cargs)}
+    # Every Python int is sent as a bigint (the statements cast where a column is narrower).
+    # psycopg's own choice, int2, int4 or int8 by the value, is part of a prepared
+    # statement's key: a token or a listener's pid past 32,767 would prepare it again, a
+    # round trip more. The engine's adapters (SQLAlchemy passes its own) are kept otherwise.
+    adapters = AdaptersMap(params.get("context") or psycopg.adapters)
+    adapters.register_dumper(int, Int8Dumper)
+    params["context"] = adapters
+    return params
+
+
+def host_attempts(conninfo: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parameters of each connection attempt: one per host of a multi-host URL, with
+    dblock's defaults where the URL sets none of its own: notice a dead peer on an idle
+    socket (keepalives) and on a socket with unacknowledged data (tcp_user_timeout),
+    instead of after the kernel's 15 minutes."""
+    params = {
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 10_000,
+        **conninfo,
+    }
+    return _host_attempts(params) or [params]
+
+
+def connect_plan(attempts: list[dict[str, Any]], deadline: float, where: str) -> Iterator[dict[str, Any]]:
+    """The keywords of each attempt to connect, each given its share of the time left.
+
+    With several hosts (host=a,b,c, e.g. with target_session_attrs=read-write to
+    find the primary) psycopg would give each host the whole connect_timeout, so
+    three silent hosts would take three times the call's time. Each is tried
+    here with its share of what is left, so a silent first host (a primary that
+    went away) leaves time for the rest. Raises ``OutOfTime`` if no time is left
+    for the first one.
+    """
+    for i, attempt in enumerate(attempts):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if i == 0:
+                raise OutOfTime(f"no time left to connect to {where}")
+            return
+        share = left / (len(attempts) - i)
+        yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))}
+
+
+def connect_failed(where: str, failed: list[psycopg.Error], hosts: int) -> DBLockError:
+    """The error for a connect whose every attempt (``failed``) failed."""
+    if not failed:
+        return OutOfTime(f"no time left to connect to {where}")
+    reasons = "; ".join(dict.fromkeys(first_line(exc) for exc in failed))
+    tried = f" ({len(failed)} of {hosts} hosts tried)" if hosts > 1 else ""
+    exc = unavailable(f"cannot connect to {where}{tried}: {reasons}", failed[-1])
+    exc.__cause__ = failed[-1]
+    return exc
+
+
+def _conninfo_args(cargs: Sequence[Any]) -> dict[str, Any]:
+    # The psycopg dialect passes everything as keywords; a positional conninfo
+    # string (should a dialect version pass one) is kept as psycopg's own.
+    return {"conninfo": cargs[0]} if cargs else {}
+
+
+def _host_attempts(params: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """One set of connection parameters per host of a multi-host conninfo (psycopg's own split,
+    which also honours load_balance_hosts); None for a single host."""
+    hosts = params.get("host") or params.get("hostaddr")
+    if "conninfo" in params or not isinstance(hosts, str) or "," not in hosts:
+        return None
+    try:
+        return [dict(a) for a in conninfo_attempts(params)]
+    except psycopg.Error:
+        return None  # e.g. no host name resolves: let psycopg's connect report it
+
+
+def unavailable(message: str, exc: BaseException) -> DBLockError:
+    sqlstate = getattr(exc, "sqlstate", None)
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # e.g. no CONNECT on the database
+        return PermissionDenied(message, sqlstate=sqlstate)
+    return DatabaseUnavailable(message, sqlstate=sqlstate)
+
+
+# -- the statements ---------------------------------------------------------------------
+def _postgresql(
+    t: str, seq: str, procs: str, enqueue_fn: str, handoff_fn: str, cancel_fn: str, queue: str
+) -> dict[str, str]:
+    # A new expiry: from the moment it is computed, no earlier than the client's
+    # send time, from which the client trusts the lease (G5).
+    ttl = "clock_timestamp() + %(ttl)s * interval '1 second'"
+    # acquire
+    # binds: name, owner (this attempt's random id), ttl (seconds, float),
+    #   label (who asks, for operators; written with the grant, never compared)
+    # returns one row (granted, token, expires_at, wait):
+    #   granted: token and database expiry of the lease. If owner already holds
+    #     the row (a retry after a lost reply, G6) the token is kept, not redrawn.
+    #   not granted: wait = seconds until the current lease ends, by the
+    #     database clock (<= 0 or NULL: it just ended; try again soon).
+    # zero rows: the name had no row and a concurrent first acquire created it.
+    # Shape: the conditional UPDATE is the common path; when the lock is held
+    # it matches nothing and writes no WAL (a miss is read-only). nextval() runs
+    # in UPDATE's SET, which PostgreSQL re-evaluates (EvalPlanQual) after it
+    # waited for a competing grant's row lock, so a late grant never writes a
+    # token drawn before an earlier grant's (G2). The INSERT only runs for a name
+    # that has no row yet; ON CONFLICT DO NOTHING makes a racing first insert a miss.
+    acquire = f"""
+WITH cur AS (
+    SELECT expires_at FROM {t} WHERE name = %(name)s
+), upd AS (
+    UPDATE {t} AS l SET
+        token = CASE WHEN l.owner = %(owner)s THEN l.token ELSE nextval('{seq}') END,
+        acquired_at = CASE WHEN l.owner = %(owner)s THEN l.acquired_at ELSE now() END,
+        owner = %(owner)s,
+        -- Ours already (a retry): never shorten it, see extend.
+        expires_at = CASE WHEN l.owner = %(owner)s THEN greatest(l.expires_at, {ttl}) ELSE {ttl} END,
+        label = %(label)s
+    WHERE l.name = %(name)s
+      AND (l.owner IS NULL OR l.expires_at <= now() OR l.owner = %(owner)s)
+    RETURNING l.token, l.expires_at
+), ins AS (
+    INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
+    SELECT %(name)s, %(owner)s, nextval('{seq}'), now(), {ttl}, %(label)s
+    WHERE NOT EXISTS (SELECT FROM cur)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING token, expires_at
+)
+SELECT true AS granted, token, expires_at, NULL::float8 AS wait FROM upd
+UNION ALL SELECT true, token, expires_at, NULL FROM ins
+UNION ALL SELECT false, NULL, NULL, EXTRACT(EPOCH FROM expires_at - now())::float8 FROM cur
+ORDER BY granted DESC
+LIMIT 1"""
+    # release
+    # binds: name, owner, token
+    # returns one row (token, handed) when this call ended the lease: nobody
+    #   else had taken it since, even if its TTL had run out.
+    # zero rows: already released, or taken over by another owner (G3).
+    # The row stays (DESIGN.md §3): only the lease is cleared. With nobody
+    # waiting (waiting = 0, a column of this row, so PostgreSQL re-reads it
+    # after waiting for the row lock) that is this one UPDATE. Otherwise the
+    # hand-off function (migration 0005) runs instead, in the same statement:
+    # it grants the first live waiter a fresh token under the row lock (G2)
+    # and NOTIFYs exactly that waiter's listener; when readers or semaphore
+    # waiters are first in line, each of them up to the next writer that fits,
+    # a token each (migration 0008).
+    release = f"""
+WITH r AS (
+    UPDATE {t} SET owner = NULL, expires_at = NULL
+    WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s AND waiting = 0
+    RETURNING token
+)
+SELECT token, false FROM r
+UNION ALL
+SELECT h.token, h.notified FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
+    # release_held (a release of a lease granted with min_hold > 0)
+    # binds: name, owner, token, hold (seconds after the grant the lease is kept)
+    # returns one row (token, handed, held_until) when (name, owner, token) still
+    #   matched, as release does (zero rows: already released, or taken over):
+    #   held_until NULL: the hold had passed (acquired_at + hold <= now()), so
+    #     this call ended the lease exactly as release does, hand-off included.
+    #   held_until set: the hold has not passed. The lease is kept (owner, token
+    #     and label unchanged) and now ends at acquired_at + hold by the database
+    #     clock, whatever its expiry was: sooner if its ttl or an extend reached
+    #     past the hold (the work is done), later if the hold is longer than the
+    #     ttl, or if the lease ran out while nobody took it. Nothing is handed
+    #     over: a fair waiter gets the lease at that expiry, as after a holder
+    #     that died (the first few in line look then). A late extend of the same
+    #     lease would still push the expiry out; the Lease sends none after this.
+    # One UPDATE: its WHERE re-reads waiting after a row lock, as release's does.
+    hold = "l.acquired_at + %(hold)s * interval '1 second'"
+    release_held = f"""
+WITH r AS (
+    UPDATE {t} AS l SET
+        owner = CASE WHEN {hold} > now() THEN l.owner END,
+        expires_at = CASE WHEN {hold} > now() THEN {hold} END
+    WHERE l.name = %(name)s AND l.owner = %(owner)s AND l.token = %(token)s
+      AND (l.waiting = 0 OR {hold} > now())
+    RETURNING l.token, l.expires_at
+)
+SELECT token, false, expires_at FROM r
+UNION ALL
+SELECT h.token, h.notified, NULL FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
+    # released (only after a release whose reply was lost)
+    # binds: name, owner, token
+    # returns one row when the lease with this token ended and nobody took the
+    # name since; zero rows: it was taken over (or the row pruned).
+    released = f"""
+SELECT token FROM {t} WHERE name = %(name)s AND token = %(token)s AND owner IS NULL"""
+    # extend
+    # binds: name, owner, token, ttl
+    # returns one row (expires_at): the new expiry, now + ttl by the database clock,
+    #   or the current one if that is later: an extend never shortens a lease.
+    #   PostgreSQL computes the SET before it waits for a row lock, and a
+    #   statement the client cut off may run on the server later still; were it
+    #   to overwrite a later extend's expiry with its earlier one, the lease
+    #   would end before its holder stopped trusting it (G5). greatest() reads
+    #   the row as it is when written.
+    # zero rows: the lease was released or another owner acquired since (G3).
+    extend = f"""
+UPDATE {t} SET expires_at = greatest(expires_at, {ttl})
+WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+RETURNING expires_at"""
+    # extend_many (renewal: the leases due now, in one statement)
+    # binds: names, owners, tokens, ttls: arrays of one length, a lease each
+    #   (sorted by name, so concurrent batches take row locks in one order)
+    # returns a row (name, token, expires_at) per lease extended, with the same
+    #   contract as extend; a lease with no row was released or taken over.
+    extend_many = f"""
+UPDATE {t} AS l SET expires_at = greatest(l.expires_at, clock_timestamp() + b.ttl * interval '1 second')
+FROM unnest(%(names)s::text[], %(owners)s::text[], %(tokens)s::bigint[], %(ttls)s::float8[])
+    AS b(name, owner, token, ttl)
+WHERE l.name = b.name AND l.owner = b.owner AND l.token = b.token
+RETURNING l.name, l.token, l.expires_at"""
+    # prune
+    # binds: age (seconds)
+    # deletes rows whose last grant and lease both ended more than age ago and
+    # that nobody waits for; returns their names. The global sequence keeps
+    # tokens growing for a name that comes back (G2). Also forgets processes
+    # whose waiters' heartbeat stopped more than age ago.
+    prune = f"""
+WITH gone AS (DELETE FROM {procs} WHERE until < now() - %(age)s * interval '1 second')
+DELETE FROM {t}
+WHERE acquired_at < now() - %(age)s * interval '1 second'
+  AND (owner IS NULL OR expires_at < now() - %(age)s * interval '1 second')
+  AND waiting = 0
+RETURNING name"""
+    # prune_lock: a first insert draws its token before its unique check; were
+    # the row it then collides with pruned meanwhile, it would insert a token
+    # below that row's (G2). SHARE ROW EXCLUSIVE waits for acquires in flight
+    # (they hold ROW EXCLUSIVE from before they draw) and holds new ones off
+    # until the prune commits. Pruning is rare; acquires never wait on each other here.
+    prune_lock = f"LOCK TABLE {t} IN SHARE ROW EXCLUSIVE MODE"
+    # enqueue (fair waiting): one call of the enqueue function (migration 0005)
+    # binds: name, owner, ttl, label; proc (this Locker process's liveness id)
+    #   and lapse (seconds its heartbeat row stays fresh); pid and start (this
+    #   process's listener session, or NULL when it polls); until (seconds
+    #   left of the wait, NULL for ever); seq (our place in line from the last
+    #   attempt, or NULL)
+    # returns one row (granted, token, expires_at, wait, seq, ahead):
+    #   granted when the lock is free (or expired) and no live waiter is ahead
+    #   of owner, or when owner already holds it (a hand-off it has not heard
+    #   of yet, or a retry after a lost reply: the token is kept, the expiry renewed).
+    #   Not granted: owner waits in line as seq; wait tells when the current
+    #   lease ends and ahead how many waiters are before owner (counted to 100).
+    #   A look while another owner's lease runs and owner is in line writes nothing.
+    enqueue = f"""
+SELECT * FROM {enqueue_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(proc)s, %(lapse)s::float8,
+    %(pid)s::int, %(start)s::timestamptz, %(until)s::float8, %(seq)s::bigint)"""
+    # cancel (a fair waiter gives up, or the clean-up after a lost reply)
+    # binds: name, owner, seq (NULL: every entry of owner)
+    # returns one row (granted, token, expires_at): owner's entry is gone from
+    #   the queue; granted means a release handed owner the lease first (the
+    #   caller keeps it). Zero rows: the name has no row.
+    cancel = f"SELECT * FROM {cancel_fn}(%(name)s, %(owner)s, %(seq)s::bigint)"
+    # beat: this Locker process's waiters are alive for lapse more seconds
+    # binds: proc, lapse. Returns one row. Needs no disk flush (see enqueue).
+    beat = f"""
+WITH b AS (
+    INSERT INTO {procs} (id, until) VALUES (%(proc)s, now() + %(lapse)s::float8 * interval '1 second')
+    ON CONFLICT (id) DO UPDATE SET until = excluded.until
+    RETURNING id
+)
+SELECT set_config('synchronous_commit', 'off', true) FROM b"""
+    # waiters (operators: dblock status)
+    # binds: none
+    # returns a row per name with live waiters: name, count. Live as the hand-off
+    #   judges it, less the listener-session check: the waiter's own deadline has
+    #   not passed and its process's heartbeat row is fresh. Reads only.
+    #   Zero rows: nobody waits.
+    waiters = f"""
+SELECT w.name, count(*)::int FROM {queue} AS w JOIN {procs} AS p ON p.id = w.proc
+WHERE p.until > now() AND (w.until IS NULL OR w.until > now())
+GROUP BY w.name"""
+    return dict(
+        acquire=acquire, release=release, release_held=release_held, released=released, extend=extend,
+        extend_many=extend_many, prune=prune, prune_lock=prune_lock, enqueue=enqueue, cancel=cancel,
+        beat=beat, waiters=waiters,
+    )
+
+
+def _share_enqueue(fn: str) -> str:
+    # share_enqueue (fair waiting for a shared lease, migration 0008)
+    # binds: enqueue's, and limit (NULL: a reader)
+    # returns one row as enqueue does (granted, token, expires_at, wait, seq, ahead, at):
+    #   readers, semaphore waiters and writers of a name wait in one line, in
+    #   arrival order; each call first grants whoever of the line's head fits
+    #   (this caller too). Not granted: wait is when the first live holder's
+    #   lease ends. A look while a writer holds and owner is in line writes nothing.
+    return f"""
+SELECT * FROM {fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int, %(proc)s, %(lapse)s::float8,
+    %(pid)s::int, %(start)s::timestamptz, %(until)s::float8, %(seq)s::bigint)"""
+
+
+# -- shared leases (read locks and semaphores, migration 0007; see base.SHARED) ----------
+
+
+def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_fn: str) -> dict[str, str]:
+    # share_acquire
+    # binds: name, owner, ttl, label, limit (NULL: a reader, no limit of its own)
+    # returns one row (granted, token, expires_at, wait, free):
+    #   granted: a fresh token drawn after the name's row lock (G2: larger than
+    #     every earlier grant of the name, shared or exclusive) and the database
+    #     expiry; owner already holding it (a retry, G6) keeps its token.
+    #   not granted: a writer holds the name (wait: seconds until its lease
+    #     ends), a live writer waits in the fair queue (wait NULL: readers let
+    #     it go first), or as many live holders as the smallest limit of the
+    #     caller and of every live holder (wait: until the first of them ends).
+    #   free: on a grant, the slots it left (the smallest live limit less the
+    #     live holders; NULL when no limit binds), so a waiter next in line
+    #     knows whether to look at once. NULL on a miss.
+    #   Since migration 0008 readers and semaphore waiters queue too (share_enqueue):
+    #   while any live waiter is in line a newcomer is refused (wait NULL), after
+    #   the call has granted whoever of the line fits (a lease that ran out unreleased).
+    # A miss behind a writer reads only; other misses lock the row.
+    share_acquire = (
+        f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int)"
+    )
+    # share_release
+    # binds: name, owner, token
+    # returns one row (token, notified) when this call ended the shared lease;
+    #   the slot it frees (or the name, when it was the last holder) goes to
+    #   the fair queue's head and each waiter after it that fits (NOTIFY), or
+    #   the name is freed. Zero rows: already released, or the lease
+    #   ran out and was forgotten or taken over (G3).
+    share_release = f"SELECT * FROM {release_fn}(%(name)s, %(owner)s, %(token)s::bigint)"
+    # share_released (after a release whose reply was lost)
+    # binds: name, owner, token. One row: the shared lease is gone; zero rows: it is still there.
+    share_released = f"""
+SELECT %(token)s::bigint WHERE NOT EXISTS (
+    SELECT FROM {h} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s::bigint)"""
+    # share_extend
+    # binds: name, owner, token, ttl
+    # returns one row (expires_at): now + ttl by the database clock, or the
+    #   current expiry if later. Zero rows: released, or it ran out and another
+    #   grant of the name came since (which forgets it, or a writer took over).
+    share_extend = f"SELECT * FROM {extend_fn}(%(name)s, %(owner)s, %(token)s::bigint, %(ttl)s::float8)"
+    # share_extend_many: extend_many's contract, for shared leases.
+    share_extend_many = f"""
+SELECT b.name, b.token, e.expires_at
+FROM unnest(%(names)s::text[], %(owners)s::text[], %(tokens)s::bigint[], %(ttls)s::float8[])
+    AS b(name, owner, token, ttl)
+CROSS JOIN LATERAL {extend_fn}(b.name, b.owner, b.token, b.ttl) AS e"""
+    return dict(
+        share_acquire=share_acquire, share_release=share_release, share_released=share_released,
+        share_extend=share_extend, share_extend_many=share_extend_many, leases=leases_statement(
+            t, h, "now()", "EXTRACT(EPOCH FROM {0}.expires_at - now())::float8", "false", "true"
+        ),
+        # share_prune: binds age (seconds); deletes the holders whose lease ended more than age
+        #   ago (nothing live, and nothing an extend may still revive for long); returns a row each.
+        share_prune=f"DELETE FROM {h} WHERE expires_at < now() - %(age)s * interval '1 second' RETURNING name",
+    )
