@@ -1,60 +1,61 @@
-"""The asyncio twin of ``_driver``: a bounded pool of async connections, one statement in bounded time.
+"""Connections for lock statements, and running one statement on one of them, in bounded time.
 
-The same three bounds as the sync Driver, with asyncio's own means:
+Lock statements never share the caller's transaction: each runs in autocommit
+on a connection dblock keeps for itself, so a grant is visible to every other
+client the moment it is made. The hot path talks to the driver directly, as
+the backend opens it (psycopg 3, with server-side prepared statements unless
+``prepare=False``; sqlite3, or aiosqlite for asyncio): SQLAlchemy knows the
+URL and the dialect, but adds nothing per call.
 
-- **A pool of at most ``size`` connections**: a task that finds them all busy
-  waits on an ``asyncio.Condition`` within its own deadline; statements of
-  waiting acquires (``waiting``) may hold at most ``size - 1`` of them.
-- **Connecting** is bounded per host as in ``_driver.connect_plan``.
-- **A statement** still running at its deadline has its socket shut down by a
-  timer on the event loop (``loop.call_later``): the awaiting call returns at
-  once with an error, as the sync watchdog thread does. A timer costs no task
-  per statement, so the hot path stays one round trip and a few microseconds.
+Three bounds keep every call's time and cost finite whatever the server does:
 
-The backend opens the connections (``Backend.aconnect``: PostgreSQL through
-``psycopg.AsyncConnection``, SQLite through ``aiosqlite``, whose one thread per
-connection runs sqlite3; SQLite's only wait, for another writer, is bounded
-by ``busy_timeout`` as in the sync Driver).
+- **A pool of at most ``size`` connections** per driver. A caller that finds
+  them all busy waits for one, within its own deadline. Statements of waiting
+  acquires (``waiting``) may hold at most ``size - 1`` of them, and waiters
+  between attempts hold none.
+- **Connecting** is bounded by the backend (PostgreSQL: each host of the URL
+  gets its share of the time left; TCP keepalives and ``tcp_user_timeout``
+  make a dead peer show up on idle and busy sockets).
+- **A statement** still running at its deadline has its socket shut down
+  (``_acompat.cut_at``: a timer on the event loop, or the process's one
+  watchdog thread), so the waiting call returns at once with an error. That
+  covers what the server cannot bound itself (a frozen postmaster, a
+  black-holed network), and works behind a transaction pooler, which would
+  refuse per-session settings at connect. Where the database bounds a
+  statement itself (SQLite, whose only wait is for another writer) the call's
+  deadline becomes that wait's bound instead.
 
+A pool is safe across forks: a child does not talk over its parent's sockets.
 Cancelling a task mid-statement (``task.cancel()``, ``asyncio.timeout``)
-throws its connection away, whatever psycopg did to end the query: its state
-is unknown. The caller (``AsyncLocker``) then ends whatever the statement may
-have granted.
-
-An AsyncDriver belongs to the event loop it was first used on; another loop
+throws its connection away, whatever the driver did to end the query: its
+state is unknown. The caller then ends whatever the statement may have granted.
+An asyncio driver belongs to the event loop it was first used on; another loop
 gets a clear error, not a connection bound to a loop that may be gone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence
 
-from ._driver import (
-    IDLE,
-    OPEN,
-    SQLITE_BUSY_TIMEOUT_MS,
-    Busy,
-    OutOfTime,
-    Result,
-    first_line,
-    pool_busy,
-    pool_turn,
-    shutdown_socket,
-    unavailable,
-)
-
+from ._acompat import ACondition, Armed, acond_wait, acut_at, afinished
+from ._core import IDLE, OPEN, WAIT, Result, pool_turn
+from ._faults import Busy, OutOfTime, first_line, pool_busy
+from .backends.base import WRITER_WAIT_MS
 from .errors import DatabaseUnavailable
+
+if True:  # ASYNC
+    # The asyncio driver is the source: tools/async_to_sync.py writes the sync one from it.
+    import asyncio
 
 if TYPE_CHECKING:
     from .backends import Backend
 
 log = logging.getLogger("dblock.driver")
-T = TypeVar("T")
 
-__all__ = ["AsyncDriver", "Busy", "OutOfTime", "Result"]
+__all__ = ["IDLE", "OPEN", "WAIT", "AsyncDriver", "Busy", "OutOfTime", "Result", "pool_busy", "pool_turn"]
 
 
 class _AConn:
@@ -63,44 +64,62 @@ class _AConn:
     def __init__(self, raw: Any, cursor: Any) -> None:
         self.raw = raw
         self.cursor = cursor
-        self.busy_ms = SQLITE_BUSY_TIMEOUT_MS
-        self.cut = False  # the deadline timer shut this connection's socket down
+        self.busy_ms = WRITER_WAIT_MS
+        self.cut = False  # its statement's deadline came and its socket was shut down
         self.waiting = False  # checked out for a waiting acquire's statement
 
 
 class AsyncDriver:
-    """A bounded LIFO pool of autocommit async connections, for one event loop."""
+    """A bounded LIFO pool of autocommit connections of one backend."""
 
     def __init__(self, backend: Backend, *, size: int = 10) -> None:
         self.backend = backend
+        self.engine = backend.engine
         self.where = backend.where  # the URL without its password, for messages
         self.table = backend.table
         self.size = size
         self._errors = backend.errors
         self._cut = backend.caps.cut_statements  # else the database bounds a statement (a writer wait)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._cond: asyncio.Condition | None = None
+        if True:  # ASYNC
+            self._loop: asyncio.AbstractEventLoop | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = ACondition()
         self._idle: list[_AConn] = []
         self._open = 0  # connections checked out or idle (the listener's is not counted)
         self._waiting_out = 0  # connections checked out for waiting acquires' statements
+        self._pid = os.getpid()
 
-    def _bind(self) -> asyncio.Condition:
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop, self._cond = loop, asyncio.Condition()
-        elif self._loop is not loop:
-            raise RuntimeError(
-                "this AsyncLocker was first used on another event loop: make one AsyncLocker per event loop"
-            )
-        assert self._cond is not None
+    def _bind(self) -> ACondition:
+        """The pool's condition (asyncio: bound to the first loop that uses it)."""
+        if True:  # ASYNC
+            loop = asyncio.get_running_loop()
+            if self._loop is None:
+                self._loop = loop
+            elif self._loop is not loop:
+                raise RuntimeError(
+                    "this AsyncLocker was first used on another event loop: make one AsyncLocker per event loop"
+                )
         return self._cond
 
     # -- connections -------------------------------------------------------
     async def connect(self, deadline: float) -> Any:
-        """A new autocommit async connection (outside the pool), opened before ``deadline``."""
+        """A new autocommit driver connection (outside the pool), opened before ``deadline``."""
         return await self.backend.aconnect(deadline)
 
-    async def _checkout(self, deadline: float, fresh: bool, waiting: bool) -> _AConn:
+    async def _checkout(self, deadline: float, fresh: bool = False, waiting: bool = False) -> _AConn:
+        """A connection of the pool: an idle one, a new one while fewer than ``size`` are
+        open, or else the next one returned, waiting no later than ``deadline``.
+
+        Statements of waiting acquires (``waiting``) may hold at most ``size - 1``
+        connections at once: one is kept for releases, extends and the rest, so
+        a crowd of waiters cannot make a release wait for a connection.
+        """
+        if self._pid != os.getpid():
+            # A forked child must not talk over its parent's sockets, and must not
+            # wait for a lock some other parent thread held at the fork.
+            self._reset()
         cond = self._bind()
         async with cond:
             while True:
@@ -116,31 +135,27 @@ class AsyncDriver:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise pool_busy(self.size, self.where, "AsyncLocker")
-                try:
-                    await asyncio.wait_for(cond.wait(), left)
-                except asyncio.TimeoutError:
-                    pass  # looked at once more above, then out of time
+                    raise pool_busy(self.size, self.where, type(self).__name__.replace("Driver", "Locker"))
+                await acond_wait(cond, left)  # then looked at once more above, or out of time
         try:
             raw = await self.connect(deadline)
-            cursor = await self.backend.acursor(raw)
+            conn = _AConn(raw, await self.backend.acursor(raw))
         except BaseException:
             await self._forget(1, waiting)
             raise
-        conn = _AConn(raw, cursor)
         conn.waiting = waiting
         return conn
 
     async def _checkin(self, conn: _AConn) -> None:
-        if conn.cut:
-            await self._discard(conn)
-            return
         cond = self._bind()
         async with cond:
-            self._waiting_out -= conn.waiting
-            conn.waiting = False
-            self._idle.append(conn)
-            cond.notify_all()  # waiters' and others' turns differ: let each look
+            if self._pid == os.getpid() and not conn.cut:
+                self._waiting_out -= conn.waiting
+                conn.waiting = False
+                self._idle.append(conn)
+                cond.notify_all()  # waiters' and others' turns differ: let each look
+                return
+        await self._discard(conn)
 
     async def _discard(self, conn: _AConn) -> None:
         await _close(conn.raw)
@@ -150,25 +165,27 @@ class AsyncDriver:
     async def _forget(self, count: int, waiting: bool = False) -> None:
         cond = self._bind()
         async with cond:
-            self._open -= count
-            self._waiting_out -= waiting
-            cond.notify_all()
+            if self._pid == os.getpid():
+                self._open -= count
+                self._waiting_out -= waiting
+                cond.notify_all()
 
     async def _drain(self) -> None:
-        idle, self._idle = self._idle, []
+        cond = self._bind()
+        async with cond:
+            idle, self._idle = self._idle, []
         for conn in idle:
             await _close(conn.raw)
         await self._forget(len(idle))
 
     def open_connections(self) -> int:
         """How many pooled connections are open now (idle or running a statement)."""
-        return self._open
+        return self._open if self._pid == os.getpid() else 0
 
     async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await _close(conn.raw)
-        self._open -= len(idle)
+        """Close the idle connections (a forked child leaves its parent's alone)."""
+        if self._pid == os.getpid():
+            await self._drain()
 
     # -- statements --------------------------------------------------------
     async def run(
@@ -183,25 +200,33 @@ class AsyncDriver:
     ) -> Result:
         """Run ``sql`` (and, if it returned no row, ``then``) on one connection, by ``deadline``.
 
-        The contract of ``Driver.run``: the deadline bounds the whole call; a
-        statement still running at it is cut off (``DatabaseUnavailable``:
-        it may or may not have committed); a connection that breaks
-        mid-statement is thrown away with the idle ones and the statement is
-        sent once more on a new one (every dblock statement is safe to repeat).
+        ``deadline`` (``time.monotonic()`` seconds) bounds the whole call:
+        waiting for a connection, connecting, the statement, and SQLite's wait
+        for another writer (then ``Busy``). A statement still running at the
+        deadline is cut off (``DatabaseUnavailable``): it may or may not have
+        committed. ``before`` runs first, in one transaction with ``sql``.
+        ``waiting`` marks a waiting acquire's statement (see ``_checkout``).
+
+        A connection that breaks mid-statement is thrown away, with the idle
+        ones (after a restart or failover they are all dead), and the statement
+        is sent once more on a new connection. Every dblock statement is safe
+        to repeat: an acquire retried with the same owner returns the lease it
+        may already have granted (G6), and release and extend compare (name,
+        owner, token), so a second try changes nothing the first did not.
         """
         for attempt in (1, 2):
             if time.monotonic() >= deadline:
+                # Sent now, it could only be cut off: it would leave its outcome unknown for nothing.
                 raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = await self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
-            timer = None
+            timer: Armed | None = None
             try:
                 if self._cut:
-                    assert self._loop is not None
-                    timer = self._loop.call_later(max(deadline - time.monotonic(), 0.0), _cut, conn)
+                    timer = acut_at(conn, deadline)
                     result = await self._statements(conn, sql, params, then, before)
                 else:
                     await self._busy_timeout(conn, deadline)
-                    result = await _finished(self._statements(conn, sql, params, then, before))
+                    result = await afinished(self._statements(conn, sql, params, then, before))
             except self._errors as exc:
                 if timer is not None:
                     timer.cancel()
@@ -217,19 +242,24 @@ class AsyncDriver:
                     if attempt == 1 and time.monotonic() < deadline:
                         log.warning("connection to %s broke (%s); retrying once", self.where, first_line(exc))
                         continue
-                    raise unavailable(f"lost the connection to {self.where}: {first_line(exc)}", exc) from exc
+                    sqlstate = getattr(exc, "sqlstate", None)
+                    message = f"lost the connection to {self.where}: {first_line(exc)}"
+                    raise DatabaseUnavailable(message, sqlstate=sqlstate) from exc
                 await self._checkin(conn)
                 raise self.backend.translate(exc) from exc
             except BaseException:
                 if timer is not None:
                     timer.cancel()
-                # Cancelled (or interrupted) mid-statement: its state is unknown.
+                # Interrupted (or cancelled) mid-statement: its state is unknown.
                 conn.cut = True
-                await asyncio.shield(self._discard(conn))
+                if True:  # ASYNC
+                    await asyncio.shield(self._discard(conn))  # the clean-up outlives the cancellation
+                else:
+                    self._discard(conn)
                 raise
             if timer is not None:
                 timer.cancel()
-            # Answered, though maybe in the instant the timer cut it: the result
+            # Answered, though maybe in the instant it was cut: the result
             # stands, and a cut connection is not put back (_checkin).
             await self._checkin(conn)
             return Result(*result, attempt == 2)
@@ -247,41 +277,14 @@ class AsyncDriver:
         return rows, await self._execute(conn, then, params) if then is not None and not rows else []
 
     async def _busy_timeout(self, conn: _AConn, deadline: float) -> None:
-        ms = int(min(SQLITE_BUSY_TIMEOUT_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
+        # Set for every call: how long this call may wait for another writer.
+        ms = int(min(WRITER_WAIT_MS, max(1.0, (deadline - time.monotonic()) * 1000)))
         if ms != conn.busy_ms:
-            await self.backend.await_for_writer(conn.raw, ms)
+            await self.backend.aset_writer_wait(conn.raw, ms)
             conn.busy_ms = ms
 
     async def _execute(self, conn: _AConn, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         return await self.backend.aexecute(conn.cursor, sql, params)
-
-
-async def _finished(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
-
-    For SQLite: aiosqlite runs a statement on its connection's thread, where
-    cancelling the awaiting task does not stop it. Were the task to go on
-    (say, to end what the statement granted) the statement could still grant
-    afterwards. Its wait is bounded by ``busy_timeout`` (the call's deadline).
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                continue
-            except Exception:  # noqa: BLE001 - its outcome no longer matters: we were cancelled
-                break
-        raise
-
-
-def _cut(conn: _AConn) -> None:
-    """The statement's deadline came: wake its awaiting task with end-of-file."""
-    conn.cut = True
-    shutdown_socket(conn.raw)
 
 
 async def _close(raw: Any) -> None:

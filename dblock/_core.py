@@ -230,3 +230,30 @@ def renewal_due(wake: float, now: float, ttl: float, *, early: bool) -> bool:
 def batch_deadline(now: float, op_timeout: float, trusts: Sequence[float]) -> float:
     """A renewal batch's deadline: ``op_timeout``, never past its least trusted lease's trust."""
     return min(now + op_timeout, min(trusts))
+
+
+# -- the connection pool (both drivers) ------------------------------------------------
+IDLE, OPEN, WAIT = "idle", "open", "wait"
+
+
+def pool_turn(waiting: bool, fresh: bool, waiting_out: int, idle: int, opened: int, size: int) -> str:
+    """What a checkout does now (both drivers' pools): take an ``IDLE`` connection, ``OPEN``
+    a new one, or ``WAIT`` for one to come back.
+
+    Statements of waiting acquires may hold at most ``size - 1`` connections
+    at once (one is kept for releases and the rest); ``fresh``: not an idle
+    one (a retry after a broken connection).
+    """
+    if waiting and waiting_out >= max(1, size - 1):
+        return WAIT  # wait for another waiter's statement to finish
+    if idle and not fresh:
+        return IDLE
+    return OPEN if opened < size else WAIT
+
+
+class Result(NamedTuple):
+    """What ``Driver.run`` got back."""
+
+    rows: list[Sequence[Any]]  # the statement's rows
+    extra: list[Sequence[Any]]  # the follow-up statement's rows (``then``), when the first returned none
+    retried: bool  # the statement was sent a second time because the first connection broke

@@ -20,6 +20,14 @@ class OutOfTime(DatabaseUnavailable):
     timed_out = True
 
 
+def pool_busy(size: int, where: str, owner: str) -> OutOfTime:
+    """A checkout that found every connection busy until the call's deadline."""
+    return OutOfTime(
+        f"all {size} of this {owner}'s connections to {where} stayed busy "
+        f"until the call's deadline (see {owner}(max_connections=...))"
+    )
+
+
 def first_line(exc: BaseException) -> str:
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         exc = exc.orig

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ._driver import shutdown_socket
+from ._acompat import shutdown_socket
 
 log = logging.getLogger("dblock.wait")
 

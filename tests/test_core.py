@@ -240,7 +240,7 @@ def test_a_wait_that_cannot_leave_its_line_reports_why() -> None:
 
 
 def test_a_pool_keeps_a_connection_for_releases_and_opens_no_more_than_its_size() -> None:
-    from dblock._driver import IDLE, OPEN, WAIT, pool_turn
+    from dblock._core import IDLE, OPEN, WAIT, pool_turn
 
     # (waiting, fresh, waiting_out, idle, opened, size)
     assert pool_turn(False, False, 0, 1, 1, 4) == IDLE

@@ -17,7 +17,7 @@ contract):
 - ``batch()``: the binds of ``extend_many`` for a list of leases.
 - connections: ``connect``/``aconnect`` (bounded by a deadline),
   ``execute``/``aexecute``, ``is_broken`` and ``translate`` (a driver error as
-  dblock's own), and ``wait_for_writer`` where the database, not a cut
+  dblock's own), and ``set_writer_wait`` where the database, not a cut
   socket, bounds a statement (``Capabilities.cut_statements`` False).
 - fencing's live-lease checks (``lease_check``, ``shared_check``) and its
   upsert construct (``insert``).
@@ -42,6 +42,10 @@ from ..schema import SHARED_OWNER
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Dialect, Engine
+
+
+# The most a statement waits for another writer where the database bounds it (SQLite).
+WRITER_WAIT_MS = 30_000
 
 
 @dataclass(frozen=True)
@@ -232,11 +236,11 @@ class Backend:
     async def aexecute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         raise NotImplementedError
 
-    def wait_for_writer(self, raw: Any, ms: int) -> None:
+    def set_writer_wait(self, raw: Any, ms: int) -> None:
         """How long the next statement may wait for another writer (``caps.cut_statements`` False)."""
         raise Unsupported(f"{self.title} statements are cut off, not bounded by a writer wait")
 
-    async def await_for_writer(self, raw: Any, ms: int) -> None:
+    async def aset_writer_wait(self, raw: Any, ms: int) -> None:
         raise Unsupported(f"{self.title} statements are cut off, not bounded by a writer wait")
 
     def is_broken(self, raw: Any) -> bool:

@@ -26,9 +26,9 @@ from .._faults import Busy, first_line, missing_schema_hint
 from ..errors import DatabaseUnavailable, DBLockError, SchemaMissing
 from ..schema import default_sqlite_path, holders_table_name
 from .base import SHARED as _SHARED
-from .base import Backend, Capabilities, Statements, leases_statement
+from .base import WRITER_WAIT_MS, Backend, Capabilities, Statements, leases_statement
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_BUSY_TIMEOUT_MS = WRITER_WAIT_MS  # a new connection's, until a call sets its own
 
 
 class SQLite(Backend):
@@ -110,10 +110,10 @@ class SQLite(Backend):
         await cursor.execute(sql, params)
         return list(await cursor.fetchall()) if cursor.description is not None else []
 
-    def wait_for_writer(self, raw: Any, ms: int) -> None:
+    def set_writer_wait(self, raw: Any, ms: int) -> None:
         raw.execute(f"PRAGMA busy_timeout = {ms}")
 
-    async def await_for_writer(self, raw: Any, ms: int) -> None:
+    async def aset_writer_wait(self, raw: Any, ms: int) -> None:
         await raw.execute(f"PRAGMA busy_timeout = {ms}")
 
     def translate(self, exc: BaseException) -> DBLockError:

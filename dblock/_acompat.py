@@ -1,0 +1,193 @@
+"""Where the two faces truly differ, as pairs: the asyncio one and the thread one, side by side.
+
+The asyncio modules are the source (``_adriver.py``, ...); ``tools/async_to_sync.py``
+writes their sync twins, renaming each name below to its pair (``ACondition``
+to ``Condition``, ``acond_wait`` to ``cond_wait``, ...) and dropping ``await``.
+So a difference lives here once, next to its twin, instead of in two copies of
+the logic around it.
+
+- waiting on a condition with a timeout: ``asyncio.wait_for`` vs ``Condition.wait``;
+- cutting off a statement at its deadline: a timer on the event loop vs the one
+  watchdog thread per process (``_Watchdog``), both shutting the socket down;
+- a statement that must run to its end once started (SQLite's, on aiosqlite's
+  thread): shielded from the task's cancellation vs a plain call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any, Awaitable, Protocol, TypeVar
+
+T = TypeVar("T")
+
+ACondition = asyncio.Condition
+Condition = threading.Condition
+
+
+class Cut(Protocol):
+    """A statement's deadline, armed: ``cancel()`` once the statement answered."""
+
+    cut: bool
+    raw: Any
+
+
+class Armed(Protocol):
+    def cancel(self) -> None: ...
+
+
+# -- asyncio --------------------------------------------------------------------------
+async def acond_wait(cond: asyncio.Condition, timeout: float) -> None:
+    """Wait (holding ``cond``) until notified or ``timeout`` seconds passed."""
+    try:
+        await asyncio.wait_for(cond.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+
+
+def acut_at(conn: Cut, deadline: float) -> Armed:
+    """Cut ``conn``'s statement off at ``deadline`` (a timer on the running loop: no task per statement)."""
+    return asyncio.get_running_loop().call_later(max(deadline - time.monotonic(), 0.0), cut, conn)
+
+
+async def afinished(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
+
+    For SQLite: aiosqlite runs a statement on its connection's thread, where
+    cancelling the awaiting task does not stop it. Were the task to go on
+    (say, to end what the statement granted) the statement could still grant
+    afterwards. Its wait is bounded by ``busy_timeout`` (the call's deadline).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                continue
+            except Exception:  # noqa: BLE001 - its outcome no longer matters: we were cancelled
+                break
+        raise
+
+
+# -- threads --------------------------------------------------------------------------
+def cond_wait(cond: threading.Condition, timeout: float) -> None:
+    cond.wait(timeout)
+
+
+def cut_at(conn: Cut, deadline: float) -> Armed:
+    """Cut ``conn``'s statement off at ``deadline`` (the process's watchdog thread)."""
+    return _watchdog.watch(conn, deadline)
+
+
+def finished(work: T) -> T:
+    return work
+
+
+# -- both -----------------------------------------------------------------------------
+def cut(conn: Cut) -> None:
+    """The statement's deadline came: wake whoever waits on ``conn`` with end-of-file."""
+    conn.cut = True
+    shutdown_socket(conn.raw)
+
+
+def shutdown_socket(raw: Any) -> None:
+    """Wake any thread blocked on ``raw``'s socket at once: it reads end-of-file.
+
+    Shut down through a duplicate descriptor, so the connection's own
+    descriptor is never closed under the thread using it (its number could be
+    reused by another file meanwhile).
+    """
+    try:
+        fd = os.dup(raw.fileno())
+    except Exception:  # noqa: BLE001 - already closed: nothing is blocked on it
+        return
+    with socket.socket(fileno=fd) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _Watch:
+    __slots__ = ("conn", "deadline")
+
+    def __init__(self, conn: Cut, deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+
+    def cancel(self) -> None:
+        _watchdog.done(self)
+
+
+class _Watchdog:
+    """One thread per process that cuts statements still running at their deadline.
+
+    The hot path only records the deadline and adds it to a set. While
+    statements run, the thread looks every ``TICK`` seconds (or at the earliest
+    deadline, if sooner), so a statement is cut at most ``TICK`` late and a new
+    statement has to wake the thread only when its deadline is nearer than the
+    next look: rare, so the hot path costs no thread switch. After ``LINGER``
+    idle seconds the thread sleeps until the next statement.
+    """
+
+    TICK = 0.25
+    LINGER = 2.0
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._busy: set[_Watch] = set()
+        self._wake_at = math.inf  # when the thread looks next
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def watch(self, conn: Cut, deadline: float) -> _Watch:
+        if self._pid != os.getpid():
+            self._reset()  # the parent's thread did not survive the fork
+        watch = _Watch(conn, deadline)
+        with self._cond:
+            self._busy.add(watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dblock-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline < self._wake_at:
+                self._cond.notify()
+        return watch
+
+    def done(self, watch: _Watch) -> None:
+        with self._cond:
+            self._busy.discard(watch)
+
+    def _run(self) -> None:
+        idle_since: float | None = None
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for watch in [w for w in self._busy if w.deadline <= now]:
+                    # Under the lock: done() cannot return the connection to the
+                    # pool (and another statement start on it) while we cut it.
+                    self._busy.discard(watch)
+                    cut(watch.conn)
+                if self._busy:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                if idle_since is not None and now - idle_since >= self.LINGER:
+                    self._wake_at = math.inf
+                    self._cond.wait()
+                else:
+                    soonest = min((w.deadline for w in self._busy), default=math.inf)
+                    self._wake_at = min(soonest, now + self.TICK)
+                    self._cond.wait(max(self._wake_at - now, 0.0))
+
+
+_watchdog = _Watchdog()
