@@ -10,7 +10,11 @@ the logic around it.
 - cutting off a statement at its deadline: a timer on the event loop vs the one
   watchdog thread per process (``_Watchdog``), both shutting the socket down;
 - a statement that must run to its end once started (SQLite's, on aiosqlite's
-  thread): shielded from the task's cancellation vs a plain call.
+  thread): shielded from the task's cancellation vs a plain call;
+- background work: a task on the running loop vs a daemon thread (``aspawn``,
+  ``astop``), events, sleeping, and a critical section that needs no lock on
+  one event loop (``AMutex``: nothing between its ``with`` lines awaits) but
+  does across threads.
 """
 
 from __future__ import annotations
@@ -21,12 +25,26 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Awaitable, Protocol, TypeVar
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Awaitable, Callable, Coroutine, Protocol, TypeVar, Union
 
 T = TypeVar("T")
 
 ACondition = asyncio.Condition
 Condition = threading.Condition
+AEvent = asyncio.Event
+Event = threading.Event
+asleep = asyncio.sleep
+sleep = time.sleep
+Worker = Union["asyncio.Task[None]", threading.Thread]
+
+
+def AMutex() -> AbstractContextManager[None]:  # noqa: N802 - a pair with threading.Lock
+    """A critical section on one event loop: the code inside never awaits, so it needs no lock."""
+    return nullcontext()
+
+
+Mutex = threading.Lock
 
 
 class Cut(Protocol):
@@ -76,7 +94,41 @@ async def afinished(work: Awaitable[T]) -> T:
         raise
 
 
+def aspawn(work: Callable[[], Coroutine[Any, Any, None]], name: str) -> asyncio.Task[None]:
+    """Run ``work()`` in the background: a task on the running loop."""
+    return asyncio.get_running_loop().create_task(work(), name=name)
+
+
+async def astop(worker: Worker | None, timeout: float) -> None:
+    """End ``worker`` (a task of ``aspawn``) now and wait until it has ended."""
+    if isinstance(worker, asyncio.Task) and not worker.done():
+        worker.cancel()
+        try:
+            await worker
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is closing
+            pass
+
+
+def running(worker: Worker | None) -> bool:
+    """Whether a background worker (a task or a thread) is still at work."""
+    if isinstance(worker, asyncio.Task):
+        return not worker.done()
+    return worker is not None and worker.is_alive()
+
+
 # -- threads --------------------------------------------------------------------------
+def spawn(work: Callable[[], None], name: str) -> threading.Thread:
+    """Run ``work()`` in the background: a daemon thread."""
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def stop(worker: Worker | None, timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``worker`` (a thread of ``spawn``, told to stop) to end."""
+    if isinstance(worker, threading.Thread) and worker is not threading.current_thread():
+        worker.join(timeout=timeout)
+
 def cond_wait(cond: threading.Condition, timeout: float) -> None:
     cond.wait(timeout)
 

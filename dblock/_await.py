@@ -1,164 +1,217 @@
-"""Waiting without polling, for the asyncio API: the listener, heartbeat and local line as tasks.
+"""Waiting without polling: the per-process listener, heartbeat and local line.
 
-The asyncio twins of ``_wait``'s three pieces (read that module's docstring
-for why each exists); what differs is only how to wait:
+Three pieces, all in-process, written once for both faces (``tools/async_to_sync.py``
+writes the sync ``_wait.py`` from this module; a waiter is a task here, a
+thread there):
 
-``AsyncListener``: one ``psycopg.AsyncConnection`` per AsyncLocker that
-LISTENs on a channel of its own; a task reads its notifications and sets the
-``asyncio.Event`` of exactly the waiting task whose owner id a hand-off names.
-A waiter is a coroutine with a mailbox, not a thread. Waiters register before
-they send their enqueue, so a hand-off that lands before the waiter starts to
-sleep is kept; a notification can still be lost, so waiters also look on
-their own (``core.look_pause``). The listener closes after ``IDLE_CLOSE``
-seconds without waiters.
+``AsyncListener``: one connection per Locker that LISTENs on a channel of its
+own (the backend names it: ``Backend.listen``). Its waiters' owner ids start
+with the listener's id, so a fair release, which hands the lease to the first
+live waiter in the same statement, notifies exactly that process; the
+listener reads it and wakes exactly the waiter with that owner id. Other
+processes' listeners (and their database sessions) stay asleep. Waiters
+register before they send their enqueue, so a hand-off that lands before the
+waiter starts to sleep is kept, not lost. A notification can still be lost
+(the connection breaks, a pooling proxy swallows LISTEN); waiters therefore
+also wake at the current lease's known expiry and on a jittered fallback
+interval, and a poll finds the lease theirs (the same owner retrying is
+granted it). The listener closes itself when nobody has waited for
+``IDLE_CLOSE`` seconds.
 
-``AsyncHeartbeat``: one task per AsyncLocker keeps its process's row fresh
-while any of its tasks waits in a fair queue.
+``AsyncHeartbeat``: keeps one row per Locker process fresh while it has fair
+waiters, so a frozen process's waiters lapse without each being refreshed.
 
-``AsyncHotspot``: tasks of one AsyncLocker waiting for the same name (polling
-modes) queue up here, first come first served; only the head asks the database.
-Shared waiters (read locks, semaphores) have a line of their own, as threads do.
+``AsyncHotspot``: waiters of one process for the same name queue up here,
+first come first served, and only the head talks to the database. A release
+by this process wakes the local head at once. A name's line is dropped as
+soon as its last waiter leaves, so the map only holds names being waited for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import secrets
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ._wait import APPLICATION_NAME, CHANNEL_PREFIX, ID_LENGTH, IDLE_CLOSE
+from ._acompat import AEvent, AMutex, Worker, asleep, aspawn, astop, running, shutdown_socket
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 log = logging.getLogger("dblock.wait")
 
-_POLL = 1.0  # how often the listener task looks up from its connection to check for idleness
+ID_LENGTH = 16  # hex digits: 64 random bits per listener, then 64 per wait
+IDLE_CLOSE = 30.0  # seconds without waiters before the listener connection closes
+_POLL = 0.25  # how often the listener looks up from its connection to check for idleness
 
 
 class AsyncSlot:
-    """One waiting task's mailbox: the hand-off it was sent, and an Event to sleep on."""
+    """One waiter's mailbox: the hand-off it was sent, and an Event to sleep on."""
 
     __slots__ = ("event", "grant")
 
     def __init__(self) -> None:
-        self.event = asyncio.Event()
+        self.event = AEvent()
         self.grant: tuple[int, float] | None = None  # (token, expiry as database epoch seconds)
 
 
 class AsyncListener:
-    """The LISTEN connection of one AsyncLocker, shared by all its waiting tasks."""
+    """The LISTEN connection of one Locker, shared by all its waiters."""
 
-    def __init__(self, connect: Callable[[float], Awaitable[Any]]) -> None:
-        self._connect = connect  # (deadline) -> an autocommit psycopg AsyncConnection of our own
+    def __init__(self, connect: Callable[[float], Any], backend: Backend) -> None:
+        self._connect = connect  # (deadline) -> (awaitable) an autocommit connection of our own
+        self._backend = backend
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = AMutex()
         self._slots: dict[str, AsyncSlot] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._worker: Worker | None = None
         self._conn: Any = None
         self._ident: tuple[int, str] | None = None  # (backend pid, backend_start) while listening
-        self._starting = False
+        self._stop = False
+        self._starting = False  # a waiter is connecting the listener (outside the lock)
         self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
-        self._id = secrets.token_hex(ID_LENGTH // 2)
+        self._pid = os.getpid()
+        self._id = secrets.token_hex(ID_LENGTH // 2)  # after a fork: the parent's channel is the parent's
 
+    # -- waiters ---------------------------------------------------------------
     def owner_id(self) -> str:
         """A fresh owner id whose hand-offs are notified on this listener's channel."""
+        self._after_fork()
         return self._id + secrets.token_hex(ID_LENGTH // 2)
 
     async def register(self, owner: str, deadline: float) -> tuple[AsyncSlot, tuple[int, str] | None]:
-        """A mailbox for ``owner``, and the listening session to name in its queue entry
-        (None: not listening, the waiter polls). Starts the listener if needed."""
+        """A mailbox for ``owner`` (from ``owner_id``), and the listening session to name
+        in its queue entry.
+
+        Starts the listener if it is not running (connecting by ``deadline``,
+        and waiting until LISTEN is in effect, so no hand-off sent after this
+        returns can be missed). The session is None when LISTEN is unavailable,
+        or another waiter is starting the listener just now: then the waiter
+        polls, and its hand-offs still reach its mailbox once the listener runs.
+        """
+        self._after_fork()
         slot = AsyncSlot()
-        self._slots[owner] = slot
+        with self._lock:
+            self._slots[owner] = slot
         await self.revive(deadline)
         return slot, self._ident
 
     async def revive(self, deadline: float) -> None:
-        """Start the listener if it is not running; after a failed try, the next one waits a second."""
-        running = self._task is not None and not self._task.done()
-        if running or self._starting or time.monotonic() < self._next_start:
-            return
-        self._starting = True
-        conn = None
+        """Start the listener if it is not running (after an outage killed it, say).
+
+        Connects outside the lock, so other waiters are never held up by a slow
+        or silent server; after a failed try, the next one waits a second.
+        """
+        with self._lock:
+            if running(self._worker) or self._starting or time.monotonic() < self._next_start:
+                return
+            self._starting, self._stop = True, False
+        conn, ident = None, None
         try:
             conn = await self._connect(deadline)
-            await conn.execute(f"SET application_name = '{APPLICATION_NAME}'")
-            await conn.execute(f"LISTEN {CHANNEL_PREFIX}{self._id}")
-            cur = await conn.execute(
-                "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
-            )
+            for statement in self._backend.listen(self._id):
+                await conn.execute(statement)
+            cur = await conn.execute(self._backend.session)
             row = await cur.fetchone()
             ident = (int(row[0]), str(row[1]))
         except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
             log.warning("cannot LISTEN for lock hand-offs (%s); waiting by polling", exc)
             if conn is not None:
                 await _close(conn)
-            self._next_start = time.monotonic() + 1.0
+            with self._lock:
+                self._starting = False
+                self._next_start = time.monotonic() + 1.0
             return
-        finally:
+        with self._lock:
             self._starting = False
-        self._conn, self._ident = conn, ident
-        self._task = asyncio.get_running_loop().create_task(self._run(conn), name="dblock-listener")
+            stale = self._stop or self._pid != os.getpid()  # closed (or forked) while connecting
+            if not stale:
+                self._conn, self._ident = conn, ident
+                self._worker = aspawn(lambda: self._run(conn), name="dblock-listener")
+        if stale:
+            await _close(conn)
 
     def unregister(self, owner: str) -> None:
-        self._slots.pop(owner, None)
+        with self._lock:
+            self._slots.pop(owner, None)
 
     @property
     def ident(self) -> tuple[int, str] | None:
         return self._ident
 
     def waiting(self) -> int:
-        return len(self._slots)
+        with self._lock:
+            return len(self._slots)
 
+    # -- the listener ------------------------------------------------------------
     async def _run(self, conn: Any) -> None:
         idle_since: float | None = None
+        failed: Exception | None = None
         try:
-            while True:
+            while not self._stop:
                 async for note in conn.notifies(timeout=_POLL):
                     self._dispatch(note.payload)
-                if self._slots:
-                    idle_since = None
-                    continue
-                now = time.monotonic()
-                if idle_since is None:
-                    idle_since = now
-                elif now - idle_since >= IDLE_CLOSE:
-                    return
-        except asyncio.CancelledError:
-            raise  # close()
+                with self._lock:
+                    if self._slots:
+                        idle_since = None
+                        continue
+                    now = time.monotonic()
+                    if idle_since is None:
+                        idle_since = now
+                    elif now - idle_since >= IDLE_CLOSE:
+                        break
         except Exception as exc:  # noqa: BLE001 - the connection broke: wake everyone to poll
-            log.warning("the lock listener's connection failed (%s); waiters poll until it is back", exc)
-            for slot in list(self._slots.values()):
-                slot.event.set()
+            failed = exc
         finally:
+            await self._retire(conn)
+        if failed is not None and not self._stop:  # not close() cutting it short on purpose
+            # Retired first: a waiter woken now finds no listening session and polls (or revives it).
+            log.warning("the lock listener's connection failed (%s); waiters poll until it is back", failed)
+            with self._lock:
+                slots = list(self._slots.values())
+            for slot in slots:
+                slot.event.set()
+
+    async def _retire(self, conn: Any) -> None:
+        # The next register() starts a new listener. Closed under the lock: close() shuts
+        # the socket down under it, so the descriptor cannot be closed (and reused) meanwhile.
+        with self._lock:
             if self._conn is conn:
-                self._conn, self._ident, self._task = None, None, None
+                self._conn, self._ident, self._worker = None, None, None
             await _close(conn)
 
     def _dispatch(self, payload: str) -> None:
-        owner, _, rest = payload.partition(" ")
-        slot = self._slots.get(owner)
-        if slot is None:
-            return  # a hand-off to another process, or to a waiter that already polled it
-        token, _, expiry = rest.partition(" ")
-        try:
-            slot.grant = (int(token), float(expiry))
-        except ValueError:
+        handed = self._backend.handed(payload)
+        if handed is None:
             log.warning("ignored a malformed hand-off notification %r", payload)
             return
+        owner, token, expiry = handed
+        with self._lock:
+            slot = self._slots.get(owner)
+        if slot is None:
+            return  # a hand-off to another process, or to a waiter that already polled it
+        slot.grant = (token, expiry)
         slot.event.set()
 
     async def close(self) -> None:
-        """End the listener session now."""
-        await _stop(self._task)
+        """End the listener session now: no waiting for its next look-up."""
+        if self._pid != os.getpid():
+            return  # the parent's listener (after a fork): its socket is not ours to shut
+        with self._lock:
+            self._stop = True
+            worker, conn = self._worker, self._conn
+            if conn is not None:
+                shutdown_socket(conn)  # wakes the listener at once, waiting or reading
+        await astop(worker, 2 * _POLL + 1)
 
-
-async def _stop(task: asyncio.Task[None] | None) -> None:
-    """Cancel ``task`` (a listener's or heartbeat's) and wait until it has ended."""
-    if task is not None and not task.done():
-        task.cancel()
-        try:
-            await task
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is closing
-            pass
+    def _after_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._reset()  # the parent's listener did not survive the fork and its socket is not ours
 
 
 async def _close(conn: Any) -> None:
@@ -169,89 +222,129 @@ async def _close(conn: Any) -> None:
 
 
 class AsyncHeartbeat:
-    """Keeps this AsyncLocker's fair waiters alive in the queue: one statement per interval,
-    however many tasks wait; the task ends once none has waited for an interval."""
+    """Keeps this process's waiters alive in the fair queue: one statement per interval per
+    Locker, however many wait.
 
-    def __init__(self, beat: Callable[[], Awaitable[object]], interval: float) -> None:
+    A background worker runs ``beat()`` every ``interval`` seconds while at
+    least one waits, and ends once none has for an interval. A process that
+    freezes stops beating, and its waiters lapse together.
+    """
+
+    def __init__(self, beat: Callable[[], Any], interval: float) -> None:
         self._beat = beat
         self._interval = interval
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = AMutex()
         self._waiting = 0
-        self._task: asyncio.Task[None] | None = None
+        self._worker: Worker | None = None
+        self._pid = os.getpid()
 
     def enter(self) -> None:
-        self._waiting += 1
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="dblock-heartbeat")
+        if self._pid != os.getpid():
+            self._reset()  # the parent's worker did not survive the fork
+        with self._lock:
+            self._waiting += 1
+            if self._worker is None:
+                self._worker = aspawn(self._run, name="dblock-heartbeat")
 
     def leave(self) -> None:
-        self._waiting -= 1
+        with self._lock:
+            if self._pid == os.getpid():
+                self._waiting -= 1
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            if self._waiting <= 0:
-                return
+            await asleep(self._interval)
+            with self._lock:
+                if self._waiting <= 0:
+                    self._worker = None
+                    return
             try:
                 await self._beat()
             except Exception as exc:  # noqa: BLE001 - the database is away: waiters ride it out, so do we
                 log.info("could not refresh this process's waiters (%s); retrying", exc)
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        await _stop(task)
+        """Stop beating now (the worker would end by itself an interval after the last waiter)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        await astop(worker, 0)
+
+
+class _Line:
+    __slots__ = ("waiters", "full")
+
+    def __init__(self) -> None:
+        self.waiters: deque[AEvent] = deque()
+        self.full = False  # a semaphore's line: its last grant here took the last free slot
 
 
 class AsyncHotspot:
-    """Per-name FIFO of an AsyncLocker's waiting tasks; only the head polls the database."""
+    """Per-name FIFO of this process's waiters; only the head polls the database."""
 
     def __init__(self) -> None:
-        self._lines: dict[str, deque[asyncio.Event]] = {}
-        self._full: set[str] = set()  # names whose last grant here left a semaphore no free slot
+        self._reset()
 
-    def join(self, name: str) -> asyncio.Event:
-        """Queue up for ``name``; the returned Event is set when this task is the head."""
-        me = asyncio.Event()
-        line = self._lines.setdefault(name, deque())
-        line.append(me)
-        if line[0] is me:
-            me.set()
+    def _reset(self) -> None:
+        self._lock = AMutex()
+        self._lines: dict[str, _Line] = {}
+        self._pid = os.getpid()
+
+    def join(self, name: str) -> AEvent:
+        """Queue up for ``name``; the returned Event is set when this waiter is the head."""
+        if self._pid != os.getpid():
+            self._reset()
+        me = AEvent()
+        with self._lock:
+            line = self._lines.get(name)
+            if line is None:
+                line = self._lines[name] = _Line()
+            line.waiters.append(me)
+            if line.waiters[0] is me:
+                me.set()
         return me
 
-    def leave(self, name: str, me: asyncio.Event) -> None:
-        """Leave the line (granted or gave up); the next task becomes the head and is woken."""
-        line = self._lines.get(name)
-        if line is None:
-            return
-        was_head = bool(line) and line[0] is me
-        try:
-            line.remove(me)
-        except ValueError:
-            return
-        if not line:
-            del self._lines[name]  # idle names hold nothing
-            self._full.discard(name)
-        elif was_head:
-            line[0].set()
+    def leave(self, name: str, me: AEvent) -> None:
+        """Leave the line (granted or gave up); the next waiter becomes the head and is woken."""
+        with self._lock:
+            line = self._lines.get(name)
+            if line is None:
+                return
+            was_head = bool(line.waiters) and line.waiters[0] is me
+            try:
+                line.waiters.remove(me)
+            except ValueError:
+                return
+            if not line.waiters:
+                del self._lines[name]  # idle names hold nothing
+            elif was_head:
+                line.waiters[0].set()
 
     def released(self, name: str) -> None:
-        """This AsyncLocker released ``name``: wake its local head to try at once."""
-        line = self._lines.get(name)
-        if line:
-            line[0].set()
+        """This process released ``name``: wake its local head to try at once."""
+        with self._lock:
+            line = self._lines.get(name)
+            if line is not None and line.waiters:
+                line.waiters[0].set()
 
     def mark_full(self, name: str, full: bool) -> None:
-        """A grant of ``name`` here left no free slot (``full``), or some (as ``Hotspot.mark_full``)."""
-        if full and name in self._lines:
-            self._full.add(name)
-        else:
-            self._full.discard(name)
+        """A grant of ``name`` here left no free slot (``full``), or some."""
+        with self._lock:
+            line = self._lines.get(name)
+            if line is not None:
+                line.full = full
 
     def full(self, name: str) -> bool:
         """Whether the last grant of ``name`` here left no free slot."""
-        return name in self._full
+        with self._lock:
+            line = self._lines.get(name)
+            return line is not None and line.full
 
     def __len__(self) -> int:
-        return len(self._lines)
+        with self._lock:
+            return len(self._lines)
 
 
 __all__ = ["AsyncHeartbeat", "AsyncHotspot", "AsyncListener", "AsyncSlot"]

@@ -151,7 +151,7 @@ class AsyncLocker:
         self._driver = AsyncDriver(self.backend, size=max_connections)
         self._queued = fair and self.backend.caps.fair_queue
         notified = self._queued and notify and self.backend.caps.notify
-        self._listener = AsyncListener(self._driver.connect) if notified else None
+        self._listener = AsyncListener(self._driver.connect, self.backend) if notified else None
         self._lapse = core.lapse(self.poll_max)
         self._heartbeat = AsyncHeartbeat(self._beat, self.poll_max) if self._queued else None
         self._hot = AsyncHotspot()

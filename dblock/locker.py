@@ -120,7 +120,7 @@ class Locker:
         self.backend = backends.of(self.engine)(self.engine, self.table, self.schema, where, prepare=prepare)
         self._driver = Driver(self.backend, size=max_connections)
         self._queued = fair and self.backend.caps.fair_queue  # waiters queue (a table of their own)
-        self._listener = Listener(self._driver.connect) if self._queued and notify and self.backend.caps.notify else None
+        self._listener = Listener(self._driver.connect, self.backend) if self._queued and notify and self.backend.caps.notify else None
         self._cleanup = Cleanup()
         self._hot = Hotspot()
         # The fair queue's liveness: one heartbeat per Locker process, whatever the number of waiters.

@@ -22,6 +22,7 @@ import pytest
 
 from dblock import Lease, Locker, LockNotAcquired, _wait
 from dblock._wait import Hotspot
+from dblock.backends.postgresql import APPLICATION_NAME
 
 from .conftest import Db, wait_for, warm_waiting
 from .pgproxy import PgProxy
@@ -401,7 +402,7 @@ def test_close_ends_the_listener(pg: Db) -> None:
     warm_waiting(pg, waiter)
     assert waiter._listener is not None and waiter._listener.ident is not None
     pid = waiter._listener.ident[0]
-    assert pg.query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", (pid,)) == [(_wait.APPLICATION_NAME,)]
+    assert pg.query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", (pid,)) == [(APPLICATION_NAME,)]
     waiter.close()
     wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)), what="the listener to close")
     holder.close()

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (asyncio source, generated sync module), relative to the repository.
 SOURCES = [
     ("dblock/_adriver.py", "dblock/_driver.py"),
+    ("dblock/_await.py", "dblock/_wait.py"),
 ]
 
 RENAMES = {
@@ -46,6 +47,16 @@ RENAMES = {
     "aexecute": "execute",
     "aset_writer_wait": "set_writer_wait",
     "AsyncLocker": "Locker",
+    "_await": "_wait",
+    "AsyncSlot": "Slot",
+    "AsyncListener": "Listener",
+    "AsyncHeartbeat": "Heartbeat",
+    "AsyncHotspot": "Hotspot",
+    "AEvent": "Event",
+    "AMutex": "Mutex",
+    "asleep": "sleep",
+    "aspawn": "spawn",
+    "astop": "stop",
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",

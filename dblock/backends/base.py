@@ -243,6 +243,21 @@ class Backend:
     async def aset_writer_wait(self, raw: Any, ms: int) -> None:
         raise Unsupported(f"{self.title} statements are cut off, not bounded by a writer wait")
 
+    # -- notifications (``caps.notify``) ---------------------------------------------
+    @staticmethod
+    def listen(listener: str) -> list[str]:
+        """The statements that make a connection the listener ``listener`` (an id of hex digits):
+        hand-offs to owners whose id starts with it are notified to that connection."""
+        raise Unsupported("this database cannot notify a waiter")
+
+    # binds: none. One row (pid, start): the listening session, as queue entries name it.
+    session: ClassVar[str] = ""
+
+    @staticmethod
+    def handed(payload: str) -> tuple[str, int, float] | None:
+        """A hand-off notification's (owner, token, expiry as database epoch seconds); None if malformed."""
+        raise Unsupported("this database cannot notify a waiter")
+
     def is_broken(self, raw: Any) -> bool:
         """Whether the connection broke under the statement (the server went away)."""
         return False

@@ -46,6 +46,7 @@ _OUTAGE_CLASSES = ("08", "57", "53")
 # The fair queue's NOTIFY: a hand-off to owner "<listener id><wait id>" goes to channel
 # CHANNEL_PREFIX + listener id with the payload "owner token expiry" (migration 0005's hand-off).
 CHANNEL_PREFIX = "dblock_"
+APPLICATION_NAME = "dblock listener"  # the listener's session, as pg_stat_activity shows it
 # Errors of making the schema that mean the server is out of reach, not that the DDL is wrong.
 _UNAVAILABLE_SQLSTATES = {
     "53300",  # too_many_connections
@@ -186,6 +187,23 @@ class PostgreSQL(Backend):
     async def aexecute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         await cursor.execute(sql, params, prepare=self.prepare)
         return list(await cursor.fetchall()) if cursor.description is not None else []
+
+    # -- notifications -----------------------------------------------------------------
+    @staticmethod
+    def listen(listener: str) -> list[str]:
+        return [f"SET application_name = '{APPLICATION_NAME}'", f"LISTEN {CHANNEL_PREFIX}{listener}"]
+
+    # The listening session as the hand-off checks a waiter's liveness (its pid and start).
+    session = "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
+
+    @staticmethod
+    def handed(payload: str) -> tuple[str, int, float] | None:
+        owner, _, rest = payload.partition(" ")
+        token, _, expiry = rest.partition(" ")
+        try:
+            return owner, int(token), float(expiry)
+        except ValueError:
+            return None
 
     def is_broken(self, raw: Any) -> bool:
         return bool(raw.broken or raw.closed)
