@@ -24,6 +24,7 @@ import pytest
 
 from dblock._core import Ended, Grant, Miss, when
 from dblock.backends import Backend, Statements
+from dblock.schema import holders_table_name
 
 from .conftest import Db, wait_for
 
@@ -126,6 +127,11 @@ def row(db: Db, name: str) -> tuple[Any, ...] | None:
 
 def expiry(db: Db, name: str) -> Any:
     return db.query(f"SELECT expires_at FROM {db.table} WHERE name = %s", (name,))[0][0]
+
+
+def holder_expiry(db: Db, name: str, holder: str) -> Any:
+    sql = f"SELECT expires_at FROM {holders_table_name(db.table)} WHERE name = %s AND owner = %s"
+    return db.query(sql, (name, holder))[0][0]
 
 
 # -- acquire ----------------------------------------------------------------------------
@@ -291,3 +297,88 @@ def test_release_held_after_the_hold_ends_the_lease(db: Db, wire: Wire) -> None:
     assert wire.backend.ended(rows, held=True) == Ended(True)
     assert db.query(f"SELECT owner, expires_at FROM {db.table} WHERE name = %s", ("x",)) == [(None, None)]
     assert len(wire.run(wire.sql.released, name="x", owner=a, token=grant.token)) == 1
+
+
+# -- extend -----------------------------------------------------------------------------
+def test_extend_compares_name_owner_token(db: Db, wire: Wire) -> None:
+    """Extend changes a lease only for its (name, owner, token): anything else, zero rows and no change (G3)."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=10)
+    before = row(db, "x")
+    assert wire.extend("x", owner(), grant.token, ttl=600) == []
+    assert wire.extend("x", a, grant.token + 1, ttl=600) == []
+    assert wire.extend("y", a, grant.token, ttl=600) == []
+    assert row(db, "x") == before
+    ((new,),) = wire.extend("x", a, grant.token, ttl=600)
+    assert when(new) > grant.expires_at
+    assert expiry(db, "x") == new
+
+
+def test_extend_never_shortens(db: Db, wire: Wire) -> None:
+    """An extend with a shorter ttl than the lease has left keeps its expiry."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    before = expiry(db, "x")
+    ((new,),) = wire.extend("x", a, grant.token, ttl=1)
+    assert when(new) >= when(before)
+    assert expiry(db, "x") >= before
+
+
+def test_extend_many_never_shortens(db: Db, wire: Wire) -> None:
+    """extend_many (renewal) never shortens a lease, and reports None for a lease it did not extend."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    before = expiry(db, "x")
+    leases = [("x", a, grant.token, 1.0), ("y", a, grant.token, 1.0)]  # y: no such lease
+    rows = wire.run(wire.sql.extend_many, **wire.backend.batch(leases))
+    new, missing = wire.backend.extended(rows, [("x", grant.token), ("y", grant.token)])
+    assert new is not None and new >= when(before)
+    assert missing is None
+    assert expiry(db, "x") >= before
+
+
+def test_share_extend_never_shortens(db: Db, wire: Wire) -> None:
+    """share_extend never shortens a shared lease."""
+    r = owner()
+    grant = wire.share_grant("x", r, ttl=60)
+    before = holder_expiry(db, "x", r)
+    ((new,),) = wire.run(wire.sql.share_extend, name="x", owner=r, token=grant.token, ttl=1)
+    assert when(new) >= when(before)
+    assert holder_expiry(db, "x", r) >= before
+
+
+def test_share_extend_many_never_shortens(db: Db, wire: Wire) -> None:
+    """share_extend_many never shortens a shared lease, and reports None for a lease it did not extend."""
+    r = owner()
+    grant = wire.share_grant("x", r, ttl=60)
+    before = holder_expiry(db, "x", r)
+    leases = [("x", r, grant.token, 1.0), ("y", r, grant.token, 1.0)]  # y: no such lease
+    rows = wire.run(wire.sql.share_extend_many, **wire.backend.batch(leases))
+    new, missing = wire.backend.extended(rows, [("x", grant.token), ("y", grant.token)])
+    assert new is not None and new >= when(before)
+    assert missing is None
+    assert holder_expiry(db, "x", r) >= before
+
+
+def test_extend_revives_a_lapsed_lease_nobody_took(db: Db, wire: Wire) -> None:
+    """Extend succeeds on a lease whose ttl ran out if nobody acquired it since (DESIGN §4)."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=TINY)
+    wire.wait_expired("x")
+    ((new,),) = wire.extend("x", a, grant.token, ttl=60)
+    assert when(new) > grant.expires_at
+    (listed,) = wire.leases()["x"]
+    assert (listed[1], listed[2]) == (a, grant.token) and listed[5] > 0
+
+
+def test_extend_fails_after_a_takeover(db: Db, wire: Wire) -> None:
+    """Once another owner took a lapsed lease, the old holder's extend and release change nothing."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=TINY)
+    wire.wait_expired("x")
+    taken = wire.grant("x", owner())
+    before = row(db, "x")
+    assert wire.extend("x", a, grant.token, ttl=60) == []
+    assert wire.release("x", a, grant.token) == Ended(False)
+    assert row(db, "x") == before
+    assert [r[2] for r in wire.leases()["x"]] == [taken.token]
