@@ -382,3 +382,104 @@ def test_extend_fails_after_a_takeover(db: Db, wire: Wire) -> None:
     assert wire.release("x", a, grant.token) == Ended(False)
     assert row(db, "x") == before
     assert [r[2] for r in wire.leases()["x"]] == [taken.token]
+
+
+# -- shared leases ----------------------------------------------------------------------
+def test_share_acquire_grants_several_readers(db: Db, wire: Wire) -> None:
+    """Readers (limit NULL) share a name: each is granted, with its own larger token."""
+    readers = [owner() for _ in range(3)]
+    tokens = [wire.share_grant("x", r).token for r in readers]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+    assert sorted((r[1], r[2]) for r in wire.leases()["x"]) == sorted(zip(readers, tokens))
+
+
+def test_acquire_misses_while_a_reader_holds(db: Db, wire: Wire) -> None:
+    """A writer's acquire misses while a reader holds the name; after the last reader leaves it is granted."""
+    r = owner()
+    read = wire.share_grant("x", r)
+    outcome = wire.acquire("x", owner())
+    assert isinstance(outcome, Miss) and outcome.wait is not None and outcome.wait > 0
+    assert len(wire.run(wire.sql.share_release, name="x", owner=r, token=read.token)) == 1
+    assert wire.grant("x", owner()).token > read.token
+
+
+def test_share_release_compares_name_owner_token(db: Db, wire: Wire) -> None:
+    """share_release ends a shared lease only for its (name, owner, token); a second release ends nothing."""
+    r = owner()
+    grant = wire.share_grant("x", r)
+    release = wire.sql.share_release
+    assert wire.run(release, name="x", owner=owner(), token=grant.token) == []
+    assert wire.run(release, name="x", owner=r, token=grant.token + 1) == []
+    assert wire.run(release, name="y", owner=r, token=grant.token) == []
+    assert wire.run(wire.sql.share_released, name="x", owner=r, token=grant.token) == []
+    assert "x" in wire.leases()
+    assert len(wire.run(release, name="x", owner=r, token=grant.token)) == 1
+    assert "x" not in wire.leases()
+    assert len(wire.run(wire.sql.share_released, name="x", owner=r, token=grant.token)) == 1
+    assert wire.run(release, name="x", owner=r, token=grant.token) == []
+
+
+def test_semaphore_limit_is_respected(db: Db, wire: Wire) -> None:
+    """With limit 2, two holders are granted (free slots 1, then 0) and a third misses until one leaves."""
+    s1, s2, s3 = owner(), owner(), owner()
+    first, free1 = wire.share("x", s1, limit=2)
+    second, free2 = wire.share("x", s2, limit=2)
+    assert isinstance(first, Grant) and isinstance(second, Grant) and (free1, free2) == (1, 0)
+    third, _ = wire.share("x", s3, limit=2)
+    assert isinstance(third, Miss)
+    assert len(wire.leases()["x"]) == 2
+    assert len(wire.run(wire.sql.share_release, name="x", owner=s1, token=first.token)) == 1
+    assert wire.share_grant("x", s3, limit=2).token > second.token
+
+
+def test_shared_grants_draw_larger_tokens(db: Db, wire: Wire) -> None:
+    """Shared grants (readers, semaphore holders) draw tokens above every earlier grant, and so
+    does the writer after them (DESIGN §11)."""
+    w = owner()
+    tokens = [wire.grant("x", w).token]
+    assert wire.release("x", w, tokens[0]) == Ended(True)
+    holders = [(owner(), None), (owner(), None), (owner(), 5)]
+    tokens += [wire.share_grant("x", h, limit).token for h, limit in holders]
+    for (h, _), token in zip(holders, tokens[1:]):
+        assert len(wire.run(wire.sql.share_release, name="x", owner=h, token=token)) == 1
+    tokens.append(wire.grant("x", owner()).token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+# -- owned, leases ----------------------------------------------------------------------
+def test_owned_reports_the_holders_token(db: Db, wire: Wire) -> None:
+    """``owned`` (after a lost reply) gives the token the owner holds; for a stranger, None."""
+    a = owner()
+    grant = wire.grant("x", a)
+    owned = wire.backend.owned
+    assert owned(wire.run(wire.sql.owned, name="x", owner=a, seq=None)) == grant.token
+    assert owned(wire.run(wire.sql.owned, name="x", owner=owner(), seq=None)) is None
+    assert owned(wire.run(wire.sql.owned, name="nothing", owner=a, seq=None)) is None
+
+
+def test_share_owned_reports_the_holders_token(db: Db, wire: Wire) -> None:
+    """``share_owned`` gives the token of the owner's shared lease; for a stranger, None."""
+    r = owner()
+    grant = wire.share_grant("x", r)
+    owned = wire.backend.owned
+    assert owned(wire.run(wire.sql.share_owned, name="x", owner=r, seq=None)) == grant.token
+    assert owned(wire.run(wire.sql.share_owned, name="x", owner=owner(), seq=None)) is None
+
+
+def test_leases_lists_exactly_the_live_leases(db: Db, wire: Wire) -> None:
+    """``leases`` lists every live lease, exclusive and shared, with time remaining, and nothing else."""
+    x, r, s = owner(), owner(), owner()
+    held = wire.grant("x", x)
+    read = wire.share_grant("r", r)
+    slot = wire.share_grant("s", s, limit=3)
+    wire.grant("lapsed", owner(), ttl=TINY)
+    gone = owner()
+    assert wire.release("released", gone, wire.grant("released", gone).token) == Ended(True)
+    wire.wait_expired("lapsed")
+    rows = wire.run(wire.sql.leases)
+    assert sorted((n, o, t, bool(shared), lim) for n, o, t, _, _, _, _, shared, lim in rows) == [
+        ("r", r, read.token, True, None),
+        ("s", s, slot.token, True, 3),
+        ("x", x, held.token, False, None),
+    ]
+    assert all(0 < remaining < 61 for *_, remaining, _, _, _ in rows)
