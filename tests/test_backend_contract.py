@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import pytest
 
-from dblock._core import Ended, Grant, Miss, when
+from dblock._core import Ended, Grant, Miss, Queued, when
 from dblock.backends import Backend, Statements
 from dblock.schema import holders_table_name
 
@@ -132,6 +132,18 @@ def expiry(db: Db, name: str) -> Any:
 def holder_expiry(db: Db, name: str, holder: str) -> Any:
     sql = f"SELECT expires_at FROM {holders_table_name(db.table)} WHERE name = %s AND owner = %s"
     return db.query(sql, (name, holder))[0][0]
+
+
+def needs_fair_queue(backend: Backend) -> None:
+    if not backend.caps.fair_queue:
+        pytest.skip(f"{backend.title}: caps.fair_queue is False (no fair queue, waiters poll)")
+
+
+def queue_binds(name: str, who: str, until: float | None = None, seq: int | None = None) -> dict[str, Any]:
+    return {
+        "name": name, "owner": who, "ttl": 60.0, "label": "contract", "proc": "proc-" + who[:8], "lapse": 60.0,
+        "pid": None, "start": None, "until": until, "seq": seq,
+    }
 
 
 # -- acquire ----------------------------------------------------------------------------
@@ -483,3 +495,40 @@ def test_leases_lists_exactly_the_live_leases(db: Db, wire: Wire) -> None:
         ("x", x, held.token, False, None),
     ]
     assert all(0 < remaining < 61 for *_, remaining, _, _, _ in rows)
+
+
+# -- the fair queue (caps.fair_queue) ---------------------------------------------------
+def test_fair_queue_enqueue_then_cancel(db: Db, wire: Wire) -> None:
+    """A waiter enqueued behind a holder is in line until it cancels; then a release hands nothing over."""
+    needs_fair_queue(wire.backend)
+    a, b = owner(), owner()
+    grant = wire.grant("x", a)
+    queued = wire.backend.enqueued(wire.run(wire.backend.queue.enqueue, **queue_binds("x", b)))
+    assert isinstance(queued, Queued) and queued.ahead == 0 and queued.wait is not None and queued.wait > 0
+    assert [tuple(r) for r in wire.run(wire.backend.queue.waiters)] == [("x", 1)]
+    cancelled = wire.run(wire.backend.queue.cancel, name="x", owner=b, seq=queued.seq)
+    assert wire.backend.cancelled(cancelled) is None
+    assert wire.run(wire.backend.queue.waiters) == []
+    rows = wire.run(wire.sql.release, name="x", owner=a, token=grant.token)
+    assert wire.backend.ended(rows, held=False) == Ended(True) and not rows[0][1]
+    assert db.query(f"SELECT owner FROM {db.table} WHERE name = %s", ("x",)) == [(None,)]
+
+
+def test_fair_queue_release_hands_to_the_first_live_waiter(db: Db, wire: Wire) -> None:
+    """A release hands the lease, in the same statement, to the first live waiter in line (passing a
+    waiter whose wait ran out), with a fresh token above every earlier grant."""
+    needs_fair_queue(wire.backend)
+    a, dead, b, c = owner(), owner(), owner(), owner()
+    grant = wire.grant("x", a)
+    queue = wire.backend.queue
+    for who, until in ((dead, TINY), (b, None), (c, None)):
+        assert isinstance(wire.backend.enqueued(wire.run(queue.enqueue, **queue_binds("x", who, until))), Queued)
+    wire.let_clock_pass(TINY)  # dead's wait is over: it is no longer live
+    rows = wire.run(wire.sql.release, name="x", owner=a, token=grant.token)
+    assert wire.backend.ended(rows, held=False) == Ended(True) and rows[0][1]  # handed over
+    ((who, token),) = db.query(f"SELECT owner, token FROM {db.table} WHERE name = %s", ("x",))
+    (highest,) = db.query(f"SELECT max(token) FROM {db.table}")[0]
+    assert who == b and token > grant.token and token == highest
+    handed = wire.backend.cancelled(wire.run(queue.cancel, name="x", owner=b, seq=None))
+    assert handed is not None and handed.token == token
+    assert [tuple(r) for r in wire.run(queue.waiters)] == [("x", 1)]  # c still waits
