@@ -1,0 +1,534 @@
+"""The backend contract (issue 23, DESIGN.md §10): each lock statement's promise, checked on every backend.
+
+Each test sends a backend's statements through the backend alone, as the
+faces do (``backend.connect``, ``backend.cursor``, ``backend.execute`` with
+``backend.sql.X``), decodes the rows with the backend's own decoders and
+checks the outcome against the table itself, read back with a plain SELECT,
+and against the database's clock (a lease has run out when ``sql.leases`` no
+longer lists it). No Locker verb runs the statement under test, so a backend
+added later is held to the same promises by adding it to the ``db`` fixture
+(and to ``WRITES`` below).
+
+Promises only some databases make are gated on the capability that carries
+them (``backend.caps``), never on the database's name.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import timedelta
+from typing import Any, Iterator, Sequence
+
+import pytest
+
+from dblock._core import Ended, Grant, Miss, Queued, when
+from dblock.backends import Backend, Statements
+from dblock.schema import holders_table_name
+
+from .conftest import Db, wait_for
+
+# What "wrote nothing" is measured by, per backend (a backend added later adds its own):
+# a marker that moves with every write. PostgreSQL: the WAL insert position, which any
+# client's write moves (so the check samples a quiet window); SQLite: total_changes() of
+# the connection the statements run on.
+WRITES = {"postgresql": "SELECT pg_current_wal_insert_lsn()::text", "sqlite": "SELECT total_changes()"}
+TRIES = 5  # windows sampled for a quiet one, where another client may write meanwhile
+TINY = 0.05  # seconds: a ttl that runs out while the test polls the database clock
+
+
+class Wire:
+    """One connection of a backend, opened and used as the faces use it."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.raw = backend.connect(time.monotonic() + 30)
+        self.cursor = backend.cursor(self.raw)
+
+    @property
+    def sql(self) -> Statements:  # read on every call, as the faces do
+        return self.backend.sql
+
+    def run(self, sql: str, **binds: Any) -> list[Sequence[Any]]:
+        return self.backend.execute(self.cursor, sql, binds)
+
+    def acquire(self, name: str, owner: str, ttl: float = 60.0) -> Grant | Miss:
+        binds = {"name": name, "owner": owner, "ttl": ttl, "label": "contract"}
+        rows = self.run(self.sql.acquire, **binds)
+        holder = self.run(self.sql.holder, **binds) if self.sql.holder is not None and not rows else []
+        return self.backend.acquired(rows, holder)
+
+    def grant(self, name: str, owner: str, ttl: float = 60.0) -> Grant:
+        outcome = self.acquire(name, owner, ttl)
+        assert isinstance(outcome, Grant), outcome
+        return outcome
+
+    def share(
+        self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0
+    ) -> tuple[Grant | Miss, int | None]:
+        binds = {"name": name, "owner": owner, "ttl": ttl, "label": "contract", "limit": limit}
+        rows = self.run(self.sql.share_acquire, **binds)
+        holder = self.run(self.sql.share_holder, **binds) if self.sql.share_holder is not None and not rows else []
+        return self.backend.share_acquired(rows, holder)
+
+    def share_grant(self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0) -> Grant:
+        outcome, _ = self.share(name, owner, limit, ttl)
+        assert isinstance(outcome, Grant), outcome
+        return outcome
+
+    def release(self, name: str, owner: str, token: int) -> Ended:
+        return self.backend.ended(self.run(self.sql.release, name=name, owner=owner, token=token), held=False)
+
+    def extend(self, name: str, owner: str, token: int, ttl: float) -> list[Sequence[Any]]:
+        return self.run(self.sql.extend, name=name, owner=owner, token=token, ttl=ttl)
+
+    def leases(self) -> dict[str, list[Sequence[Any]]]:
+        """The live leases by name, as ``sql.leases`` lists them (by the database's clock)."""
+        listed: dict[str, list[Sequence[Any]]] = {}
+        for row in self.run(self.sql.leases):
+            listed.setdefault(row[0], []).append(row)
+        return listed
+
+    def wait_expired(self, name: str) -> None:
+        """Poll the database until its clock says every lease of ``name`` has run out."""
+        wait_for(lambda: name not in self.leases(), what=f"the lease on {name!r} to run out by the database clock")
+
+    def let_clock_pass(self, seconds: float) -> None:
+        """Return once the database's clock has moved at least ``seconds`` past its time now."""
+        clock = "clock-" + secrets.token_hex(4)
+        self.grant(clock, owner(), ttl=seconds)
+        self.wait_expired(clock)
+
+    def writes(self) -> Any:
+        return self.run(WRITES[self.backend.name])[0][0]
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+@pytest.fixture
+def wire(db: Db) -> Iterator[Wire]:
+    # A Locker's backend is built as Locker.__init__ builds it:
+    # backends.of(engine)(engine, table, schema, where, prepare=...). Only its backend is used.
+    w = Wire(db.locker().backend)
+    yield w
+    w.close()
+
+
+def owner() -> str:
+    return secrets.token_hex(16)
+
+
+def row(db: Db, name: str) -> tuple[Any, ...] | None:
+    """The name's whole row in the lock table (every column), or None."""
+    rows = db.query(f"SELECT * FROM {db.table} WHERE name = %s", (name,))
+    return rows[0] if rows else None
+
+
+def expiry(db: Db, name: str) -> Any:
+    return db.query(f"SELECT expires_at FROM {db.table} WHERE name = %s", (name,))[0][0]
+
+
+def holder_expiry(db: Db, name: str, holder: str) -> Any:
+    sql = f"SELECT expires_at FROM {holders_table_name(db.table)} WHERE name = %s AND owner = %s"
+    return db.query(sql, (name, holder))[0][0]
+
+
+def needs_fair_queue(backend: Backend) -> None:
+    if not backend.caps.fair_queue:
+        pytest.skip(f"{backend.title}: caps.fair_queue is False (no fair queue, waiters poll)")
+
+
+def queue_binds(name: str, who: str, until: float | None = None, seq: int | None = None) -> dict[str, Any]:
+    return {
+        "name": name, "owner": who, "ttl": 60.0, "label": "contract", "proc": "proc-" + who[:8], "lapse": 60.0,
+        "pid": None, "start": None, "until": until, "seq": seq,
+    }
+
+
+# -- acquire ----------------------------------------------------------------------------
+def test_acquire_miss_writes_nothing(db: Db, wire: Wire) -> None:
+    """A miss (acquire of a held name) writes nothing: the row is unchanged in every column and
+    the backend's write marker (PostgreSQL: the WAL position; SQLite: total_changes()) stays put."""
+    a = owner()
+    wire.grant("x", a)
+    before = row(db, "x")
+    quiet = False
+    for _ in range(TRIES):  # another client's write moves PostgreSQL's WAL too: one quiet window suffices
+        mark = wire.writes()
+        for _ in range(3):
+            outcome = wire.acquire("x", owner(), ttl=1)
+            # wait: the holder's time left (SQLite pushes expiries 2 ms past the ttl)
+            assert isinstance(outcome, Miss) and outcome.wait is not None and 0 < outcome.wait < 61
+        if wire.writes() == mark:
+            quiet = True
+            break
+    assert row(db, "x") == before
+    assert quiet, f"every one of {TRIES} windows of 3 missed acquires moved the write marker"
+
+
+def test_share_acquire_miss_behind_a_writer_writes_nothing(db: Db, wire: Wire) -> None:
+    """A reader's miss behind a live writer reads only: row and write marker unchanged."""
+    wire.grant("x", owner())
+    before = row(db, "x")
+    quiet = False
+    for _ in range(TRIES):
+        mark = wire.writes()
+        for _ in range(3):
+            outcome, free = wire.share("x", owner())
+            assert isinstance(outcome, Miss) and outcome.wait is not None and outcome.wait > 0 and free is None
+        if wire.writes() == mark:
+            quiet = True
+            break
+    assert row(db, "x") == before
+    assert quiet, f"every one of {TRIES} windows of 3 missed share_acquires moved the write marker"
+
+
+def test_acquire_grants_a_name_with_no_row(db: Db, wire: Wire) -> None:
+    """The first grant of a name writes its row: owner, the granted token and expiry."""
+    a = owner()
+    assert row(db, "x") is None
+    grant = wire.grant("x", a)
+    assert db.query(f"SELECT owner, token FROM {db.table} WHERE name = %s", ("x",)) == [(a, grant.token)]
+    assert when(expiry(db, "x")) == grant.expires_at
+    assert "x" in wire.leases()
+
+
+def test_acquire_grants_a_released_name_a_larger_token(db: Db, wire: Wire) -> None:
+    """A free (released) name is granted to a new owner, with a token above the last grant's (G2)."""
+    a, b = owner(), owner()
+    first = wire.grant("x", a)
+    assert wire.release("x", a, first.token) == Ended(True)
+    second = wire.grant("x", b)
+    assert second.token > first.token
+    assert db.query(f"SELECT owner, token FROM {db.table} WHERE name = %s", ("x",)) == [(b, second.token)]
+
+
+def test_acquire_grants_an_expired_lease_a_larger_token(db: Db, wire: Wire) -> None:
+    """Once a lease ran out by the database's clock, another owner is granted it, with a larger token."""
+    first = wire.grant("x", owner(), ttl=TINY)
+    assert isinstance(wire.acquire("x", owner()), Miss)
+    wire.wait_expired("x")
+    second = wire.grant("x", owner())
+    assert second.token > first.token
+
+
+def test_acquire_after_prune_draws_a_larger_token(db: Db, wire: Wire) -> None:
+    """A name whose row was pruned gets, when it comes back, a token above every earlier grant (G2)."""
+    a = owner()
+    first = wire.grant("x", a)
+    assert wire.release("x", a, first.token) == Ended(True)
+    wire.let_clock_pass(2 * TINY)  # (its lease is a grant too, with a larger token)
+    (highest,) = db.query(f"SELECT max(token) FROM {db.table}")[0]
+    sql = wire.sql
+    if sql.prune_lock is None:
+        pruned = wire.run(sql.prune, age=TINY)
+    else:  # prune_lock runs first, in prune's transaction (as Driver.run runs ``before``)
+        with wire.raw.transaction():
+            wire.run(sql.prune_lock)
+            pruned = wire.run(sql.prune, age=TINY)
+    assert ("x",) in [tuple(r) for r in pruned]
+    assert row(db, "x") is None
+    again = wire.grant("x", owner())
+    assert again.token > highest > first.token
+
+
+def test_tokens_grow_across_names(db: Db, wire: Wire) -> None:
+    """One token sequence per table: each grant, of any name, draws above every earlier grant."""
+    tokens = [wire.grant(name, owner()).token for name in ("a", "b", "c", "a2")]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_acquire_retry_by_the_same_owner_keeps_token_and_expiry(db: Db, wire: Wire) -> None:
+    """A same-owner retry (G6) is granted the same token, and never shortens the lease."""
+    a = owner()
+    grant = wire.grant("x", a)
+    assert len(wire.extend("x", a, grant.token, ttl=600)) == 1
+    far = expiry(db, "x")
+    retry = wire.grant("x", a, ttl=1)
+    assert retry.token == grant.token
+    assert expiry(db, "x") >= far
+    assert retry.expires_at >= when(far)
+
+
+# -- release, released ------------------------------------------------------------------
+def test_release_compares_name_owner_token(db: Db, wire: Wire) -> None:
+    """Release ends a lease only for its (name, owner, token): anything else changes nothing (G3);
+    a second release ends nothing."""
+    a = owner()
+    grant = wire.grant("x", a)
+    before = row(db, "x")
+    assert wire.release("x", owner(), grant.token) == Ended(False)
+    assert wire.release("x", a, grant.token + 1) == Ended(False)
+    assert wire.release("y", a, grant.token) == Ended(False)
+    assert row(db, "x") == before
+    assert wire.release("x", a, grant.token) == Ended(True)
+    assert db.query(f"SELECT owner, expires_at, token FROM {db.table} WHERE name = %s", ("x",)) == [
+        (None, None, grant.token)
+    ]
+    assert "x" not in wire.leases()
+    assert wire.release("x", a, grant.token) == Ended(False)
+
+
+def test_released_tells_an_ended_lease_from_a_taken_over_one(db: Db, wire: Wire) -> None:
+    """``released`` after a release returns one row; after a takeover, zero rows."""
+    a, b = owner(), owner()
+    grant = wire.grant("x", a, ttl=TINY)
+    assert wire.run(wire.sql.released, name="x", owner=a, token=grant.token) == []  # still held
+    assert wire.release("x", a, grant.token) == Ended(True)
+    assert len(wire.run(wire.sql.released, name="x", owner=a, token=grant.token)) == 1
+    again = wire.grant("x", a, ttl=TINY)
+    wire.wait_expired("x")
+    wire.grant("x", b)
+    assert wire.run(wire.sql.released, name="x", owner=a, token=again.token) == []
+
+
+def test_release_held_keeps_the_lease_until_the_hold_ends(db: Db, wire: Wire) -> None:
+    """With its minimum hold still ahead, release_held keeps the lease (owner and token) until
+    acquired_at + hold by the database clock."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    rows = wire.run(wire.sql.release_held, name="x", owner=a, token=grant.token, hold=600)
+    ended = wire.backend.ended(rows, held=True)
+    assert ended.ended and ended.held_until is not None
+    ((who, token, acquired_at, expires_at),) = db.query(
+        f"SELECT owner, token, acquired_at, expires_at FROM {db.table} WHERE name = %s", ("x",)
+    )
+    assert (who, token) == (a, grant.token)
+    assert abs(when(expires_at) - when(acquired_at) - timedelta(seconds=600)) < timedelta(milliseconds=1)
+    assert ended.held_until == when(expires_at)
+    assert [r[2] for r in wire.leases()["x"]] == [grant.token]
+
+
+def test_release_held_after_the_hold_ends_the_lease(db: Db, wire: Wire) -> None:
+    """With its minimum hold passed, release_held ends the lease exactly as release does."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    wire.let_clock_pass(TINY)
+    rows = wire.run(wire.sql.release_held, name="x", owner=a, token=grant.token, hold=TINY)
+    assert wire.backend.ended(rows, held=True) == Ended(True)
+    assert db.query(f"SELECT owner, expires_at FROM {db.table} WHERE name = %s", ("x",)) == [(None, None)]
+    assert len(wire.run(wire.sql.released, name="x", owner=a, token=grant.token)) == 1
+
+
+# -- extend -----------------------------------------------------------------------------
+def test_extend_compares_name_owner_token(db: Db, wire: Wire) -> None:
+    """Extend changes a lease only for its (name, owner, token): anything else, zero rows and no change (G3)."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=10)
+    before = row(db, "x")
+    assert wire.extend("x", owner(), grant.token, ttl=600) == []
+    assert wire.extend("x", a, grant.token + 1, ttl=600) == []
+    assert wire.extend("y", a, grant.token, ttl=600) == []
+    assert row(db, "x") == before
+    ((new,),) = wire.extend("x", a, grant.token, ttl=600)
+    assert when(new) > grant.expires_at
+    assert expiry(db, "x") == new
+
+
+def test_extend_never_shortens(db: Db, wire: Wire) -> None:
+    """An extend with a shorter ttl than the lease has left keeps its expiry."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    before = expiry(db, "x")
+    ((new,),) = wire.extend("x", a, grant.token, ttl=1)
+    assert when(new) >= when(before)
+    assert expiry(db, "x") >= before
+
+
+def test_extend_many_never_shortens(db: Db, wire: Wire) -> None:
+    """extend_many (renewal) never shortens a lease, and reports None for a lease it did not extend."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=60)
+    before = expiry(db, "x")
+    leases = [("x", a, grant.token, 1.0), ("y", a, grant.token, 1.0)]  # y: no such lease
+    rows = wire.run(wire.sql.extend_many, **wire.backend.batch(leases))
+    new, missing = wire.backend.extended(rows, [("x", grant.token), ("y", grant.token)])
+    assert new is not None and new >= when(before)
+    assert missing is None
+    assert expiry(db, "x") >= before
+
+
+def test_share_extend_never_shortens(db: Db, wire: Wire) -> None:
+    """share_extend never shortens a shared lease."""
+    r = owner()
+    grant = wire.share_grant("x", r, ttl=60)
+    before = holder_expiry(db, "x", r)
+    ((new,),) = wire.run(wire.sql.share_extend, name="x", owner=r, token=grant.token, ttl=1)
+    assert when(new) >= when(before)
+    assert holder_expiry(db, "x", r) >= before
+
+
+def test_share_extend_many_never_shortens(db: Db, wire: Wire) -> None:
+    """share_extend_many never shortens a shared lease, and reports None for a lease it did not extend."""
+    r = owner()
+    grant = wire.share_grant("x", r, ttl=60)
+    before = holder_expiry(db, "x", r)
+    leases = [("x", r, grant.token, 1.0), ("y", r, grant.token, 1.0)]  # y: no such lease
+    rows = wire.run(wire.sql.share_extend_many, **wire.backend.batch(leases))
+    new, missing = wire.backend.extended(rows, [("x", grant.token), ("y", grant.token)])
+    assert new is not None and new >= when(before)
+    assert missing is None
+    assert holder_expiry(db, "x", r) >= before
+
+
+def test_extend_revives_a_lapsed_lease_nobody_took(db: Db, wire: Wire) -> None:
+    """Extend succeeds on a lease whose ttl ran out if nobody acquired it since (DESIGN §4)."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=TINY)
+    wire.wait_expired("x")
+    ((new,),) = wire.extend("x", a, grant.token, ttl=60)
+    assert when(new) > grant.expires_at
+    (listed,) = wire.leases()["x"]
+    assert (listed[1], listed[2]) == (a, grant.token) and listed[5] > 0
+
+
+def test_extend_fails_after_a_takeover(db: Db, wire: Wire) -> None:
+    """Once another owner took a lapsed lease, the old holder's extend and release change nothing."""
+    a = owner()
+    grant = wire.grant("x", a, ttl=TINY)
+    wire.wait_expired("x")
+    taken = wire.grant("x", owner())
+    before = row(db, "x")
+    assert wire.extend("x", a, grant.token, ttl=60) == []
+    assert wire.release("x", a, grant.token) == Ended(False)
+    assert row(db, "x") == before
+    assert [r[2] for r in wire.leases()["x"]] == [taken.token]
+
+
+# -- shared leases ----------------------------------------------------------------------
+def test_share_acquire_grants_several_readers(db: Db, wire: Wire) -> None:
+    """Readers (limit NULL) share a name: each is granted, with its own larger token."""
+    readers = [owner() for _ in range(3)]
+    tokens = [wire.share_grant("x", r).token for r in readers]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+    assert sorted((r[1], r[2]) for r in wire.leases()["x"]) == sorted(zip(readers, tokens))
+
+
+def test_acquire_misses_while_a_reader_holds(db: Db, wire: Wire) -> None:
+    """A writer's acquire misses while a reader holds the name; after the last reader leaves it is granted."""
+    r = owner()
+    read = wire.share_grant("x", r)
+    outcome = wire.acquire("x", owner())
+    assert isinstance(outcome, Miss) and outcome.wait is not None and outcome.wait > 0
+    assert len(wire.run(wire.sql.share_release, name="x", owner=r, token=read.token)) == 1
+    assert wire.grant("x", owner()).token > read.token
+
+
+def test_share_release_compares_name_owner_token(db: Db, wire: Wire) -> None:
+    """share_release ends a shared lease only for its (name, owner, token); a second release ends nothing."""
+    r = owner()
+    grant = wire.share_grant("x", r)
+    release = wire.sql.share_release
+    assert wire.run(release, name="x", owner=owner(), token=grant.token) == []
+    assert wire.run(release, name="x", owner=r, token=grant.token + 1) == []
+    assert wire.run(release, name="y", owner=r, token=grant.token) == []
+    assert wire.run(wire.sql.share_released, name="x", owner=r, token=grant.token) == []
+    assert "x" in wire.leases()
+    assert len(wire.run(release, name="x", owner=r, token=grant.token)) == 1
+    assert "x" not in wire.leases()
+    assert len(wire.run(wire.sql.share_released, name="x", owner=r, token=grant.token)) == 1
+    assert wire.run(release, name="x", owner=r, token=grant.token) == []
+
+
+def test_semaphore_limit_is_respected(db: Db, wire: Wire) -> None:
+    """With limit 2, two holders are granted (free slots 1, then 0) and a third misses until one leaves."""
+    s1, s2, s3 = owner(), owner(), owner()
+    first, free1 = wire.share("x", s1, limit=2)
+    second, free2 = wire.share("x", s2, limit=2)
+    assert isinstance(first, Grant) and isinstance(second, Grant) and (free1, free2) == (1, 0)
+    third, _ = wire.share("x", s3, limit=2)
+    assert isinstance(third, Miss)
+    assert len(wire.leases()["x"]) == 2
+    assert len(wire.run(wire.sql.share_release, name="x", owner=s1, token=first.token)) == 1
+    assert wire.share_grant("x", s3, limit=2).token > second.token
+
+
+def test_shared_grants_draw_larger_tokens(db: Db, wire: Wire) -> None:
+    """Shared grants (readers, semaphore holders) draw tokens above every earlier grant, and so
+    does the writer after them (DESIGN §11)."""
+    w = owner()
+    tokens = [wire.grant("x", w).token]
+    assert wire.release("x", w, tokens[0]) == Ended(True)
+    holders = [(owner(), None), (owner(), None), (owner(), 5)]
+    tokens += [wire.share_grant("x", h, limit).token for h, limit in holders]
+    for (h, _), token in zip(holders, tokens[1:]):
+        assert len(wire.run(wire.sql.share_release, name="x", owner=h, token=token)) == 1
+    tokens.append(wire.grant("x", owner()).token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+# -- owned, leases ----------------------------------------------------------------------
+def test_owned_reports_the_holders_token(db: Db, wire: Wire) -> None:
+    """``owned`` (after a lost reply) gives the token the owner holds; for a stranger, None."""
+    a = owner()
+    grant = wire.grant("x", a)
+    owned = wire.backend.owned
+    assert owned(wire.run(wire.sql.owned, name="x", owner=a, seq=None)) == grant.token
+    assert owned(wire.run(wire.sql.owned, name="x", owner=owner(), seq=None)) is None
+    assert owned(wire.run(wire.sql.owned, name="nothing", owner=a, seq=None)) is None
+
+
+def test_share_owned_reports_the_holders_token(db: Db, wire: Wire) -> None:
+    """``share_owned`` gives the token of the owner's shared lease; for a stranger, None."""
+    r = owner()
+    grant = wire.share_grant("x", r)
+    owned = wire.backend.owned
+    assert owned(wire.run(wire.sql.share_owned, name="x", owner=r, seq=None)) == grant.token
+    assert owned(wire.run(wire.sql.share_owned, name="x", owner=owner(), seq=None)) is None
+
+
+def test_leases_lists_exactly_the_live_leases(db: Db, wire: Wire) -> None:
+    """``leases`` lists every live lease, exclusive and shared, with time remaining, and nothing else."""
+    x, r, s = owner(), owner(), owner()
+    held = wire.grant("x", x)
+    read = wire.share_grant("r", r)
+    slot = wire.share_grant("s", s, limit=3)
+    wire.grant("lapsed", owner(), ttl=TINY)
+    gone = owner()
+    assert wire.release("released", gone, wire.grant("released", gone).token) == Ended(True)
+    wire.wait_expired("lapsed")
+    rows = wire.run(wire.sql.leases)
+    assert sorted((n, o, t, bool(shared), lim) for n, o, t, _, _, _, _, shared, lim in rows) == [
+        ("r", r, read.token, True, None),
+        ("s", s, slot.token, True, 3),
+        ("x", x, held.token, False, None),
+    ]
+    assert all(0 < remaining < 61 for *_, remaining, _, _, _ in rows)
+
+
+# -- the fair queue (caps.fair_queue) ---------------------------------------------------
+def test_fair_queue_enqueue_then_cancel(db: Db, wire: Wire) -> None:
+    """A waiter enqueued behind a holder is in line until it cancels; then a release hands nothing over."""
+    needs_fair_queue(wire.backend)
+    a, b = owner(), owner()
+    grant = wire.grant("x", a)
+    queued = wire.backend.enqueued(wire.run(wire.backend.queue.enqueue, **queue_binds("x", b)))
+    assert isinstance(queued, Queued) and queued.ahead == 0 and queued.wait is not None and queued.wait > 0
+    assert [tuple(r) for r in wire.run(wire.backend.queue.waiters)] == [("x", 1)]
+    cancelled = wire.run(wire.backend.queue.cancel, name="x", owner=b, seq=queued.seq)
+    assert wire.backend.cancelled(cancelled) is None
+    assert wire.run(wire.backend.queue.waiters) == []
+    rows = wire.run(wire.sql.release, name="x", owner=a, token=grant.token)
+    assert wire.backend.ended(rows, held=False) == Ended(True) and not rows[0][1]
+    assert db.query(f"SELECT owner FROM {db.table} WHERE name = %s", ("x",)) == [(None,)]
+
+
+def test_fair_queue_release_hands_to_the_first_live_waiter(db: Db, wire: Wire) -> None:
+    """A release hands the lease, in the same statement, to the first live waiter in line (passing a
+    waiter whose wait ran out), with a fresh token above every earlier grant."""
+    needs_fair_queue(wire.backend)
+    a, dead, b, c = owner(), owner(), owner(), owner()
+    grant = wire.grant("x", a)
+    queue = wire.backend.queue
+    for who, until in ((dead, TINY), (b, None), (c, None)):
+        assert isinstance(wire.backend.enqueued(wire.run(queue.enqueue, **queue_binds("x", who, until))), Queued)
+    wire.let_clock_pass(TINY)  # dead's wait is over: it is no longer live
+    rows = wire.run(wire.sql.release, name="x", owner=a, token=grant.token)
+    assert wire.backend.ended(rows, held=False) == Ended(True) and rows[0][1]  # handed over
+    ((who, token),) = db.query(f"SELECT owner, token FROM {db.table} WHERE name = %s", ("x",))
+    (highest,) = db.query(f"SELECT max(token) FROM {db.table}")[0]
+    assert who == b and token > grant.token and token == highest
+    handed = wire.backend.cancelled(wire.run(queue.cancel, name="x", owner=b, seq=None))
+    assert handed is not None and handed.token == token
+    assert [tuple(r) for r in wire.run(queue.waiters)] == [("x", 1)]  # c still waits
