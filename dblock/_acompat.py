@@ -39,6 +39,13 @@ sleep = time.sleep
 Worker = Union["asyncio.Task[None]", threading.Thread]
 
 
+ACancelled = asyncio.CancelledError
+
+
+class Cancelled(BaseException):
+    """The sync twin of ``asyncio.CancelledError``: a thread is never cancelled, so never raised."""
+
+
 def AMutex() -> AbstractContextManager[None]:  # noqa: N802 - a pair with threading.Lock
     """A critical section on one event loop: the code inside never awaits, so it needs no lock."""
     return nullcontext()
@@ -99,6 +106,25 @@ def aspawn(work: Callable[[], Coroutine[Any, Any, None]], name: str) -> asyncio.
     return asyncio.get_running_loop().create_task(work(), name=name)
 
 
+async def aevent_wait(event: asyncio.Event, timeout: float | None) -> bool:
+    """``event.wait()`` for at most ``timeout`` s (None or inf: for ever); True if it was set."""
+    if event.is_set():
+        return True
+    if timeout is not None and timeout <= 0:
+        return False
+    try:
+        await asyncio.wait_for(event.wait(), None if timeout is None or timeout == math.inf else timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def ajoin(worker: Worker | None, timeout: float) -> None:
+    """Wait up to ``timeout`` s for ``worker`` to end by itself."""
+    if isinstance(worker, asyncio.Task) and not worker.done():
+        await asyncio.wait([worker], timeout=timeout)
+
+
 async def astop(worker: Worker | None, timeout: float) -> None:
     """End ``worker`` (a task of ``aspawn``) now and wait until it has ended."""
     if isinstance(worker, asyncio.Task) and not worker.done():
@@ -122,6 +148,15 @@ def spawn(work: Callable[[], None], name: str) -> threading.Thread:
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def event_wait(event: threading.Event, timeout: float | None) -> bool:
+    return event.wait(None if timeout is None or timeout == math.inf else max(timeout, 0.0))
+
+
+def join(worker: Worker | None, timeout: float) -> None:
+    if isinstance(worker, threading.Thread) and worker is not threading.current_thread():
+        worker.join(timeout=timeout)
 
 
 def stop(worker: Worker | None, timeout: float) -> None:

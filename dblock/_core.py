@@ -257,3 +257,20 @@ class Result(NamedTuple):
     rows: list[Sequence[Any]]  # the statement's rows
     extra: list[Sequence[Any]]  # the follow-up statement's rows (``then``), when the first returned none
     retried: bool  # the statement was sent a second time because the first connection broke
+
+
+# -- what the verbs return (both faces) ------------------------------------------------
+class Extended(NamedTuple):
+    """An extend that took: the lease's new database expiry, and when the statement was sent."""
+
+    expires_at: datetime
+    sent_at: float
+
+
+class Granted(NamedTuple):
+    """An acquire that got its lease: the token, the database expiry, and the moment (``time.monotonic()``)
+    from which the client trusts it for its ttl (G5)."""
+
+    token: int
+    expires_at: datetime
+    sent_at: float

@@ -22,22 +22,23 @@ import asyncio
 import inspect
 import logging
 import math
-import random
-import secrets
 import time
 import weakref
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ParamSpec, TypeVar, Union
 
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
 from . import metrics
 from . import backends
-from ._adriver import AsyncDriver, Busy, OutOfTime
-from ._await import AsyncHeartbeat, AsyncHotspot, AsyncListener, AsyncSlot
-from ._core import OUTAGE_RETRY_MIN, Grant
+from ._aacquire import AsyncAcquirer, Try
+from ._acleanup import AsyncCleanup
+from ._adriver import AsyncDriver
+from ._averbs import AsyncVerbs
+from ._await import AsyncHeartbeat, AsyncListener
+from ._core import Extended, Granted
 from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._redact import display_url
@@ -53,13 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
 renew_log = logging.getLogger("dblock.renew")
-cleanup_log = logging.getLogger("dblock.cleanup")
 
 AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
-RETRY = 0.5  # background clean-up: seconds between tries while the database stays away
 
 __all__ = [
     "AsyncLease", "AsyncLocker", "AsyncOnLost", "AsyncShared",
@@ -79,28 +78,6 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module, __package__), name)
     globals()[name] = value
     return value
-
-
-class _Extended(NamedTuple):
-    expires_at: datetime
-    sent_at: float
-
-
-class _Try:
-    """What an acquire has done so far: whether it sent anything (cancelling it must clean up).
-
-    ``limit``: what it asks for, as the waiting loops of both faces take it:
-    False the exclusive lock, None a reader's lease, an int a semaphore's.
-    """
-
-    __slots__ = ("owner", "hold", "limit", "sent", "unsure")
-
-    def __init__(self, owner: str, hold: float = 0.0, limit: int | None | bool = False) -> None:
-        self.owner = owner
-        self.hold = hold  # the min_hold of the lease it gets
-        self.limit = limit
-        self.sent = False  # a statement went out: it may have queued us, or granted us the lease
-        self.unsure = False  # an attempt went unanswered: it may grant us the lease even later
 
 
 class AsyncLocker:
@@ -152,15 +129,22 @@ class AsyncLocker:
         self._queued = fair and self.backend.caps.fair_queue
         notified = self._queued and notify and self.backend.caps.notify
         self._listener = AsyncListener(self._driver.connect, self.backend) if notified else None
-        self._lapse = core.lapse(self.poll_max)
-        self._heartbeat = AsyncHeartbeat(self._beat, self.poll_max) if self._queued else None
-        self._hot = AsyncHotspot()
-        self._shared_hot = AsyncHotspot()  # tasks polling for a shared lease, per name (fair=False, SQLite)
+        self._cleanup = AsyncCleanup()
         self._proc = queue_id()
         self._default_label = default_label()
+        self._lapse = core.lapse(self.poll_max)
+        # The one-round-trip verbs (binds built once), and acquiring and waiting.
+        self._verbs = AsyncVerbs(
+            self.backend, self._driver, op_timeout=self.op_timeout, label=self._label, proc=self._proc.get,
+            lapse=self._lapse,
+        )
+        self._heartbeat = AsyncHeartbeat(self._verbs.beat, self.poll_max) if self._queued else None
+        self._acquirer = AsyncAcquirer(
+            self._verbs, self._cleanup, queued=self._queued, listener=self._listener, heartbeat=self._heartbeat,
+            poll_min=self.poll_min, poll_max=self.poll_max,
+        )
         self._migrated: asyncio.Lock | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, clean-up, on_lost
-        self._cleanups: set[asyncio.Task[Any]] = set()  # of those, the clean-ups (aclose lets them finish)
+        self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, on_lost
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -196,10 +180,7 @@ class AsyncLocker:
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        attempt = _Try(secrets.token_hex(16), check_min_hold(min_hold))
-        lease = await self._measured(
-            name, self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
-        )
+        lease = await self._measured(name, self._try(name, ttl, check_min_hold(min_hold)))
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -245,20 +226,35 @@ class AsyncLocker:
         self, name: str, ttl: float, hold: float, timeout: float, limit: int | None | bool = False
     ) -> AsyncLease:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
-        deadline = time.monotonic() + timeout
-        if timeout <= 0:
-            attempt = _Try(secrets.token_hex(16), hold, limit)
-            lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._bound(deadline)))
-            if lease is None:
-                raise LockNotAcquired(name, timeout)
-        elif self._queued:
-            owner = self._listener.owner_id() if self._listener is not None else secrets.token_hex(16)
-            attempt = _Try(owner, hold, limit)
-            lease = await self._guarded(name, ttl, attempt, self._wait_in_queue(name, attempt, ttl, timeout, deadline))
-        else:
-            attempt = _Try(secrets.token_hex(16), hold, limit)
-            lease = await self._guarded(name, ttl, attempt, self._wait_in_line(name, attempt, ttl, timeout, deadline))
-        return lease
+        await self._ensure_schema()
+        acquirer = self._acquirer
+        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0)
+        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        return self._lease(name, attempt, ttl, granted)
+
+    async def _try(self, name: str, ttl: float, hold: float, limit: int | None | bool = False) -> AsyncLease | None:
+        """One attempt: an AsyncLease, or None if ``name`` is held (``limit`` as in ``_acquire``)."""
+        await self._ensure_schema()
+        acquirer = self._acquirer
+        attempt = acquirer.new_try(hold, limit)
+        deadline = self._deadline()
+        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
+        return None if granted is None else self._lease(name, attempt, ttl, granted)
+
+    def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted) -> AsyncLease:
+        shared = core.shared_kind(attempt.limit)
+        return AsyncLease(
+            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold, shared
+        )
+
+    async def _attempt(
+        self, name: str, owner: str, ttl: float, *, limit: int | None | bool = False
+    ) -> tuple[AsyncLease | None, float | None]:
+        """One attempt by ``owner`` (tests: a retry after a lost reply, G6)."""
+        await self._ensure_schema()
+        attempt = Try(owner, 0.0, limit)
+        granted, wait = await self._acquirer.attempt(name, attempt, ttl, self._deadline())
+        return (None if granted is None else self._lease(name, attempt, ttl, granted)), wait
 
     def lock(
         self,
@@ -350,8 +346,7 @@ class AsyncLocker:
     ) -> AsyncLease | None:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
-        attempt = _Try(secrets.token_hex(16), limit=limit)
-        lease = await self._guarded(name, ttl, attempt, self._once(name, ttl, attempt, self._deadline()))
+        lease = await self._try(name, ttl, 0.0, limit)
         if lease is not None and renew:
             lease.start_renewal(on_lost)
         return lease
@@ -373,277 +368,18 @@ class AsyncLocker:
             lease.start_renewal(on_lost)
         return lease
 
-    async def _guarded(self, name: str, ttl: float, attempt: _Try, work: Awaitable[T]) -> T:
-        """Run an acquire; if it is cancelled, or cut off in doubt, end whatever it may have granted."""
-        try:
-            return await work
-        except OutOfTime:
-            raise  # nothing was sent
-        except (DatabaseUnavailable, LockNotAcquired) as exc:
-            if attempt.sent and (attempt.unsure or isinstance(exc, DatabaseUnavailable)):
-                self._abandon(name, attempt.owner, ttl, attempt.limit)
-            raise
-        except asyncio.CancelledError:
-            if attempt.sent:
-                # Leave the queue, and end a lease that was granted or handed to us
-                # meanwhile; shielded, so a second cancellation cannot stop it halfway.
-                job = self._spawn(self._forget_or_abandon(name, attempt.owner, ttl, attempt.limit), cleanup=True)
-                try:
-                    await asyncio.shield(job)
-                except asyncio.CancelledError:
-                    pass  # cancelled again: the job goes on in the background
-            raise
-
-    async def _once(self, name: str, ttl: float, attempt: _Try, deadline: float) -> AsyncLease | None:
-        lease, _ = await self._attempt(name, attempt, ttl, deadline)
-        return lease
-
-    async def _attempt(
-        self, name: str, attempt: _Try, ttl: float, deadline: float, *, waiting: bool = False
-    ) -> tuple[AsyncLease | None, float | None]:
-        await self._ensure_schema()
-        sent_at = time.monotonic()
-        attempt.sent = True
-        shared = core.shared_kind(attempt.limit)
-        params = {"name": name, "owner": attempt.owner, "ttl": ttl, "label": self._label()}
-        if shared:  # a reader's or semaphore holder's lease (as ``Locker._share_attempt``)
-            result = await self._driver.run(
-                self.backend.sql.share_acquire,
-                {**params, "limit": core.limit_bind(attempt.limit)},
-                self.backend.sql.share_holder,
-                deadline=deadline,
-                waiting=waiting,
-            )
-            outcome, free = self.backend.share_acquired(result.rows, result.extra)
-            if isinstance(outcome, Grant):
-                self._shared_hot.mark_full(name, free is not None and free <= 0)
-        else:
-            sql = self.backend.sql
-            result = await self._driver.run(sql.acquire, params, sql.holder, deadline=deadline, waiting=waiting)
-            outcome = self.backend.acquired(result.rows, result.extra)
-        if not isinstance(outcome, Grant):
-            return None, outcome.wait
-        log.debug("granted %r (limit %s) token=%s", name, attempt.limit, outcome.token)
-        lease = AsyncLease(
-            self, name, attempt.owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold, shared
-        )
-        return lease, None
-
-    async def _wait_in_line(self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float) -> AsyncLease:
-        """Poll with backoff; this AsyncLocker's tasks waiting for ``name`` take turns (FIFO).
-
-        Shared waiters (``attempt.limit`` None or an int) have a local line of their own.
-        """
-        shared = core.shared_kind(attempt.limit)
-        hot = self._shared_hot if shared else self._hot
-        me = hot.join(name)
-        promoted = not me.is_set()  # others were ahead in this AsyncLocker's line
-        try:
-            if not await _wait_event(me, deadline - time.monotonic()):
-                raise LockNotAcquired(name, timeout)  # never reached the head of the local line
-            if promoted and shared and hot.full(name):
-                # The task ahead of us was just granted the semaphore's last free slot:
-                # look after a pause, or at once when this AsyncLocker releases one.
-                me.clear()
-                await _wait_event(
-                    me, min(core.backoff(self.poll_min, None, random.random()), max(deadline - time.monotonic(), 0))
-                )
-            delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
-            outage: DatabaseUnavailable | None = None
-            while True:
-                me.clear()  # set again by a release of this AsyncLocker: try at once
-                try:
-                    lease, wait = await self._attempt(name, attempt, ttl, self._bound(deadline), waiting=True)
-                    outage, outage_delay = None, OUTAGE_RETRY_MIN
-                except (Busy, OutOfTime):
-                    lease, wait = None, None
-                except DatabaseUnavailable as exc:  # ride it out until the deadline
-                    lease, wait, outage, attempt.unsure = None, None, exc, True
-                if lease is not None:
-                    return lease
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    if outage is not None:
-                        raise self._out_of_time(name, timeout, outage) from outage  # _guarded cleans up
-                    raise LockNotAcquired(name, timeout)
-                if outage is not None:
-                    outage_delay = await self._outage(outage, name, outage_delay, deadline)
-                    continue
-                pause = core.backoff(delay, wait, random.random())
-                delay = core.next_delay(delay, self.poll_max)
-                await _wait_event(me, min(pause, left))
-        finally:
-            hot.leave(name, me)
-
-    async def _wait_in_queue(
-        self, name: str, attempt: _Try, ttl: float, timeout: float, deadline: float
-    ) -> AsyncLease:
-        """Fair waiting on PostgreSQL: join the queue, be handed the lease by a release.
-
-        Readers and semaphore waiters (``attempt.limit`` None or an int) wait in
-        the same line as the name's writers (``statements.share_enqueue``), as
-        ``Locker._wait_in_queue`` does.
-        """
-        await self._ensure_schema()
-        owner = attempt.owner
-        shared = core.shared_kind(attempt.limit)
-        listener, heartbeat = self._listener, self._heartbeat
-        slot: AsyncSlot | None = None
-        ident: tuple[int, str] | None = None
-        if listener is not None:
-            slot, ident = await listener.register(owner, min(deadline, self._deadline()))
-        queued_at: tuple[float, float] | None = None
-        outage: DatabaseUnavailable | None = None
-        outage_delay = OUTAGE_RETRY_MIN
-        seq: int | None = None
-        if heartbeat is not None:
-            heartbeat.enter()
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if listener is not None:
-                    ident = listener.ident
-                    if ident is None:  # not running (an outage killed it): start it again
-                        await listener.revive(min(deadline, self._deadline()))
-                        ident = listener.ident
-                sent_at = time.monotonic()
-                attempt.sent = True
-                try:
-                    rows = (
-                        await self._driver.run(
-                            self.backend.queue.share_enqueue if shared else self.backend.queue.enqueue,
-                            {
-                                "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
-                                "proc": self._proc.get(), "lapse": self._lapse,
-                                "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                                "until": core.entry_lifetime(left), "seq": seq, "limit": core.limit_bind(attempt.limit),
-                            },
-                            deadline=self._bound(deadline),
-                            waiting=True,
-                        )
-                    ).rows
-                    outage, outage_delay = None, OUTAGE_RETRY_MIN
-                except OutOfTime:
-                    if time.monotonic() >= deadline:
-                        break
-                    continue
-                except DatabaseUnavailable as exc:  # ride it out until the deadline
-                    outage = exc
-                    if time.monotonic() >= deadline:
-                        break
-                    outage_delay = await self._outage(exc, name, outage_delay, deadline)
-                    continue
-                outcome = self.backend.enqueued(rows)
-                if outcome is None:
-                    continue  # a concurrent first acquire created the row just now: look again
-                if isinstance(outcome, Grant):
-                    return AsyncLease(
-                        self, name, owner, outcome.token, outcome.expires_at, ttl, sent_at, attempt.hold, shared
-                    )
-                wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
-                queued_at = (sent_at, outcome.at)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if slot is not None and ident is not None:
-                    pause = core.look_pause(self.poll_max, ahead, wait, random.random())
-                    await _wait_event(slot.event, min(pause, left))
-                    if slot.grant is not None:
-                        token, expiry = slot.grant
-                        try:
-                            lease = await self._handed(
-                                name, attempt, ttl, Grant(token, core.when(expiry)), queued_at, deadline
-                            )
-                        except DatabaseUnavailable as exc:
-                            outage, lease = exc, None  # ours but unrefreshed: the next attempt takes it up again
-                        if lease is not None:
-                            return lease
-                        slot.grant = None
-                    slot.event.clear()
-                else:
-                    delay = core.poll_delay(self.poll_min, self.poll_max, ahead)
-                    pause = core.backoff(delay, wait, random.random())
-                    await asyncio.sleep(min(pause, left))
-                if pause >= left or time.monotonic() >= deadline:
-                    break
-            # Out of time: leave the queue, unless a release handed us the lease first.
-            try:
-                rows = (
-                    await self._driver.run(
-                        self.backend.queue.cancel,
-                        {"name": name, "owner": owner, "seq": seq},
-                        deadline=self._bound(deadline),
-                    )
-                ).rows
-            except DatabaseUnavailable as exc:
-                self._abandon(name, owner, ttl, attempt.limit)  # our entry dies with its own deadline anyway
-                attempt.sent = False
-                raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
-            handed = self.backend.cancelled(rows)
-            if handed is not None:
-                if queued_at is not None:
-                    lease = await self._handed(name, attempt, ttl, handed, queued_at, deadline)
-                    if lease is not None:
-                        return lease
-                else:  # we cannot tell when it was granted, so end it (no hold: never used)
-                    key = {"name": name, "owner": owner, "token": handed.token}
-                    await self._end(key, self._bound(deadline), shared=shared)
-            attempt.sent = False  # out of the queue, nothing held: nothing to clean up
-            raise self._out_of_time(name, timeout, outage)
-        finally:
-            if heartbeat is not None:
-                heartbeat.leave()
-            if listener is not None:
-                listener.unregister(owner)
-
-    async def _handed(
-        self, name: str, attempt: _Try, ttl: float, handed: Grant, queued_at: tuple[float, float], deadline: float
-    ) -> AsyncLease | None:
-        """A lease a release handed us (trusted as in ``Locker._handed``), or None if lost before we woke."""
-        sent, at = queued_at
-        now = time.monotonic()
-        trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
-        expires_at, sent_at = handed.expires_at, trusted - ttl
-        shared = core.shared_kind(attempt.limit)
-        if core.needs_refresh(trusted, now, ttl):
-            done = await self._extend(name, attempt.owner, handed.token, ttl, self._bound(deadline), shared)
-            if done is None:
-                return None
-            expires_at, sent_at = done
-        return AsyncLease(self, name, attempt.owner, handed.token, expires_at, ttl, sent_at, attempt.hold, shared)
-
     # -- the statements behind a lease's verbs -------------------------------
     # ``shared``: a reader's or semaphore holder's lease, whose verbs are the shared
     # statements (as ``SharedKeeper``'s); otherwise the exclusive lock's.
     async def _extend(
         self, name: str, owner: str, token: int, ttl: float, deadline: float, shared: bool = False
-    ) -> _Extended | None:
+    ) -> Extended | None:
         await self._ensure_schema()
-        sent_at = time.monotonic()
-        rows = (
-            await self._driver.run(
-                self.backend.sql.share_extend if shared else self.backend.sql.extend,
-                {"name": name, "owner": owner, "token": token, "ttl": ttl},
-                deadline=deadline,
-            )
-        ).rows
-        return _Extended(core.when(rows[0][0]), sent_at) if rows else None
+        return await self._verbs.extend(name, owner, token, ttl, deadline, shared)
 
     async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
-        """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (as ``Locker._end``).
-        ``shared``: a reader's or semaphore holder's lease (no hold)."""
-        held = core.holds(hold) and not shared
-        if shared:
-            result = await self._driver.run(self.backend.sql.share_release, key, deadline=deadline)
-        elif held:
-            result = await self._driver.run(self.backend.sql.release_held, {**key, "hold": hold}, deadline=deadline)
-        else:
-            result = await self._driver.run(self.backend.sql.release, key, deadline=deadline)
-        rows = result.rows
-        if not rows and result.retried:
-            released = self.backend.sql.share_released if shared else self.backend.sql.released
-            return self.backend.ended((await self._driver.run(released, key, deadline=deadline)).rows, held=False)
-        return self.backend.ended(rows, held)
+        """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (``AsyncVerbs.end``)."""
+        return await self._verbs.end(key, deadline, hold, shared=shared)
 
     async def _release(
         self, name: str, owner: str, token: int, state: LeaseState, hold: float, shared: bool = False
@@ -656,92 +392,27 @@ class AsyncLocker:
             outcome = await self._end(key, self._deadline(), hold, shared=shared)
             ended = outcome.ended
         except DatabaseUnavailable:
-            self._later(
+            # Unconfirmed: keep ending it in the background until it would expire.
+            self._cleanup.add(
                 f"the lease on {name!r} (token {token})",
                 lambda: self._end(key, self._deadline(), hold, shared=shared),
-                state.ttl,
+                time.monotonic() + state.ttl,
             )
             raise
         finally:
             state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
         state.held_until = outcome.held_until
-        if not self._queued and outcome.held_until is None:  # fair waiters are handed the lease by the release
-            self._hot.released(name)
-            self._shared_hot.released(name)
+        self._acquirer.released(name, held=outcome.held_until is not None)
         return outcome.ended
 
-    async def _forget(self, name: str, owner: str, shared: bool = False) -> None:
-        """Take ``owner`` out of ``name``'s queue, and end its lease (``shared``: its shared lease) if it holds one."""
-        sql = self.backend.sql
-        # With a fair queue, owned is cancel: the queue entry goes too, exclusive and shared waiters alike.
-        rows = (
-            await self._driver.run(
-                sql.share_owned if shared else sql.owned,
-                {"name": name, "owner": owner, "seq": None},
-                deadline=self._deadline(),
-            )
-        ).rows
-        token = self.backend.owned(rows)
-        if token is not None:
-            await self._end({"name": name, "owner": owner, "token": token}, self._deadline(), shared=shared)
-
-    async def _forget_or_abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
-        try:
-            await self._forget(name, owner, core.shared_kind(limit))
-        except DBLockError:
-            self._abandon(name, owner, ttl, limit)
-
-    def _abandon(self, name: str, owner: str, ttl: float, limit: int | None | bool = False) -> None:
-        """An attempt for ``owner`` went unanswered: end in the background whatever it granted.
-
-        ``limit`` False: an exclusive attempt; None or an int: a shared one (as ``Locker._abandon``).
-        """
-        shared = core.shared_kind(limit)
-        self._later(
-            f"a possible grant of {name!r} to owner {owner[:8]}", lambda: self._forget(name, owner, shared), ttl
-        )
-
-    def _later(self, what: str, end: Callable[[], Awaitable[object]], ttl: float) -> None:
-        """Call ``end()`` in the background until it succeeds, or the lease would have expired anyway."""
-        self._spawn(_keep_trying(what, end, time.monotonic() + ttl), cleanup=True)
-
-    def _spawn(self, work: Awaitable[Any], cleanup: bool = False) -> asyncio.Task[Any]:
+    def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(work)
-        for tasks in (self._tasks, self._cleanups) if cleanup else (self._tasks,):
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
-        pause, later = core.outage_pause(delay, deadline - time.monotonic(), random.random())
-        log.info("database unavailable while waiting for %r (%s); retrying in %.3f s", name, exc, max(pause, 0))
-        if pause > 0:
-            await asyncio.sleep(pause)
-        return later
-
-    @staticmethod
-    def _out_of_time(name: str, timeout: float, outage: DatabaseUnavailable | None) -> Exception:
-        if outage is None:
-            return LockNotAcquired(name, timeout)
-        return DatabaseUnavailable(
-            f"lock {name!r} was not acquired within {timeout:g} s: the database was unavailable ({outage})",
-            sqlstate=outage.sqlstate,
-        )
-
-    async def _beat(self) -> None:
-        await self._driver.run(
-            self.backend.queue.beat,
-            {"proc": self._proc.get(), "lapse": self._lapse},
-            deadline=self._deadline(),
-        )
-
     def _deadline(self) -> float:
-        return time.monotonic() + self.op_timeout
-
-    def _bound(self, deadline: float) -> float:
-        return core.statement_deadline(
-            time.monotonic(), deadline, self.op_timeout, not self.backend.caps.cut_statements
-        )
+        return self._verbs.deadline()
 
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
@@ -805,19 +476,14 @@ class AsyncLocker:
     async def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
         await self._ensure_schema()
-        rows = (await self._driver.run(self.backend.sql.leases, {}, deadline=self._deadline())).rows
-        return [
-            LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
-            for n, o, t, a, e, r, label, sh, lim in rows
-        ]
+        return await self._verbs.leases()
 
     async def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; empty on SQLite)."""
         if not self.backend.caps.fair_queue:
             return {}
         await self._ensure_schema()
-        rows = (await self._driver.run(self.backend.queue.waiters, {}, deadline=self._deadline())).rows
-        return {name: count for name, count in rows}
+        return await self._verbs.waiters()
 
     async def force_release(self, lease: LeaseInfo) -> bool:
         """End someone else's lease, as an operator: ``lease`` is a row of ``leases()`` (see ``Locker``)."""
@@ -835,10 +501,7 @@ class AsyncLocker:
         """Delete rows of names nobody held for ``older_than`` seconds; returns how many."""
         age = check_ttl(older_than)
         await self._ensure_schema()
-        sql = self.backend.sql
-        rows = (await self._driver.run(sql.prune, {"age": age}, before=sql.prune_lock, deadline=self._deadline())).rows
-        await self._driver.run(sql.share_prune, {"age": age}, deadline=self._deadline())  # ended shared leases
-        return len(rows)
+        return await self._verbs.prune(age)
 
     def open_connections(self) -> int:
         """How many of its statement connections this AsyncLocker has open now (not the listener's)."""
@@ -850,8 +513,7 @@ class AsyncLocker:
         Background clean-up still running (ending a lease a cancelled call may
         have been granted) gets ``op_timeout`` to finish first.
         """
-        if self._cleanups:
-            await asyncio.wait(list(self._cleanups), timeout=self.op_timeout)
+        await self._cleanup.close(self.op_timeout)
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -873,34 +535,6 @@ class AsyncLocker:
 
     def __repr__(self) -> str:
         return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
-
-
-async def _wait_event(event: asyncio.Event, timeout: float | None) -> bool:
-    """``event.wait()`` for at most ``timeout`` s; True if it was set."""
-    if event.is_set():
-        return True
-    if timeout is not None and timeout <= 0:
-        return False
-    try:
-        await asyncio.wait_for(event.wait(), None if timeout == math.inf else timeout)
-    except asyncio.TimeoutError:
-        return False
-    return True
-
-
-async def _keep_trying(what: str, end: Callable[[], Awaitable[object]], until: float) -> None:
-    while True:
-        if time.monotonic() >= until:
-            cleanup_log.warning("gave up ending %s: its lease has expired by now anyway", what)
-            return
-        try:
-            await end()
-        except DBLockError as exc:
-            cleanup_log.info("could not end %s yet (%s); retrying", what, exc)
-            await asyncio.sleep(RETRY)
-        else:
-            cleanup_log.info("ended %s, which a call could not confirm in time", what)
-            return
 
 
 async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:

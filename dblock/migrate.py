@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import warnings
 import zlib
 from contextlib import contextmanager
@@ -39,10 +38,9 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from . import backends
 from ._redact import display_url
 from ._validate import check_identifier
-from .errors import DatabaseUnavailable, DBLockError, PermissionDenied, ReplicationWarning
+from .errors import DBLockError, PermissionDenied, ReplicationWarning
 from .schema import (
     DEFAULT_TABLE,
-    default_sqlite_path,
     fences_table,
     fences_table_name,
     locks_table,

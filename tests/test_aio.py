@@ -164,11 +164,8 @@ async def test_g5_trust_ends_no_later_than_the_database_expiry(db: Db) -> None:
 
 async def test_g6_a_retried_attempt_returns_the_lease_it_granted(db: Db) -> None:
     async with alocker(db) as locker:
-        from dblock.aio import _Try
-
-        attempt = _Try("retrying-owner")
-        first, _ = await locker._attempt("g6", attempt, 30, locker._deadline())
-        again, _ = await locker._attempt("g6", attempt, 30, locker._deadline())
+        first, _ = await locker._attempt("g6", "retrying-owner", 30)
+        again, _ = await locker._attempt("g6", "retrying-owner", 30)
         assert first is not None and again is not None and again.token == first.token
 
 

@@ -795,8 +795,8 @@ def test_readme_shared_example_runs(db: Db) -> None:
 def test_g6_a_retried_shared_acquire_returns_the_granted_lease(pg: Db) -> None:
     """PostgreSQL: the same owner asking again (a lost reply) gets its own lease back, token kept, not a second slot."""
     locker = pg.locker()
-    first = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
-    again = locker._share_attempt("g6", "a" * 32, 30.0, 1).lease
+    first = locker._attempt("g6", "a" * 32, 30.0, limit=1).lease
+    again = locker._attempt("g6", "a" * 32, 30.0, limit=1).lease
     assert first is not None and again is not None and again.token == first.token
     assert [i.owner for i in locker.leases()] == ["a" * 32]
     assert locker.semaphore("g6", 1).try_acquire(ttl=30) is None

@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [
     ("dblock/_adriver.py", "dblock/_driver.py"),
     ("dblock/_await.py", "dblock/_wait.py"),
+    ("dblock/_averbs.py", "dblock/_verbs.py"),
+    ("dblock/_acleanup.py", "dblock/_cleanup.py"),
+    ("dblock/_aacquire.py", "dblock/_acquire.py"),
 ]
 
 RENAMES = {
@@ -57,6 +60,15 @@ RENAMES = {
     "asleep": "sleep",
     "aspawn": "spawn",
     "astop": "stop",
+    "ajoin": "join",
+    "aevent_wait": "event_wait",
+    "ACancelled": "Cancelled",
+    "_averbs": "_verbs",
+    "AsyncVerbs": "Verbs",
+    "_aacquire": "_acquire",
+    "AsyncAcquirer": "Acquirer",
+    "_acleanup": "_cleanup",
+    "AsyncCleanup": "Cleanup",
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
