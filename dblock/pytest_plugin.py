@@ -88,7 +88,13 @@ def _postgresql_url(url: str) -> str:
         parsed = make_url(url)
     except ArgumentError:
         pytest.fail(f"dblock_url is not a database URL: {url!r}", pytrace=False)
-    if parsed.get_backend_name() != "postgresql":
+    from dblock import backends  # noqa: PLC0415 - the plugin loads dblock's modules only when used
+
+    try:
+        backend: type[backends.Backend] | None = backends.named(parsed)
+    except ValueError:
+        backend = None
+    if backend is not backends.PostgreSQL:
         pytest.fail(f"dblock_url must be a PostgreSQL URL (postgresql://user@host/db), not {parsed.drivername}://", pytrace=False)
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
 

@@ -10,13 +10,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy.engine import URL
+
 from .base import Backend, Capabilities, QueueStatements, Statements, Unsupported
 from .postgresql import PostgreSQL
 from .sqlite import SQLite
 
-__all__ = ["Backend", "Capabilities", "PostgreSQL", "QueueStatements", "SQLite", "Statements", "Unsupported", "of"]
+__all__ = [
+    "EMBEDDED", "Backend", "Capabilities", "PostgreSQL", "QueueStatements", "SQLite", "Statements", "Unsupported",
+    "named", "of",
+]
 
 _BACKENDS: dict[str, type[Backend]] = {PostgreSQL.name: PostgreSQL, SQLite.name: SQLite}
+_ALIASES = {"postgres": PostgreSQL}  # SQLAlchemy reads postgres:// as its own backend name
+EMBEDDED = SQLite  # the default when no URL is given: a per-user file, nothing to set up
+
+
+def named(url: URL) -> type[Backend]:
+    """The backend of a URL, by its backend name (``postgresql+asyncpg://`` is PostgreSQL's).
+
+    ``ValueError`` naming the URLs dblock takes, for a database it has no backend for.
+    """
+    name = url.get_backend_name()
+    backend = _BACKENDS.get(name) or _ALIASES.get(name)
+    if backend is None:
+        raise ValueError(
+            "dblock supports postgresql+psycopg://, postgresql+psycopg2://, postgresql+asyncpg:// and sqlite:///"
+            f" URLs, not {url.drivername}://"
+        )
+    return backend
 
 
 def of(bind: Any) -> type[Backend]:

@@ -41,7 +41,7 @@ from ..errors import DBLockError
 from ..schema import SHARED_OWNER
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Dialect, Engine
+    from sqlalchemy.engine import URL, Dialect, Engine
 
 
 # The most a statement waits for another writer where the database bounds it (SQLite).
@@ -272,6 +272,18 @@ class Backend:
     ) -> DBLockError:
         """An error of making or upgrading the tables (``exc``, the driver's ``orig``, its first line
         ``reason``) as dblock's own; a missing privilege is told apart before this is asked."""
+        raise NotImplementedError
+
+    # -- engines -----------------------------------------------------------------------
+    @classmethod
+    def engine_for_url(cls, url: URL) -> Engine:
+        """The engine dblock makes for ``url`` (its driver checked; ``ValueError`` for one dblock cannot use)."""
+        raise NotImplementedError
+
+    @classmethod
+    def adopt(cls, engine: Engine) -> tuple[Engine, bool]:
+        """The engine dblock uses for the app's ``engine``, and whether dblock made it (then
+        ``Locker.close`` disposes of it): the app's own, or one dblock makes from its URL."""
         raise NotImplementedError
 
     @classmethod

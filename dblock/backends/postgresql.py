@@ -17,15 +17,18 @@ from typing import Any, Iterator, Sequence
 
 import psycopg
 from psycopg.adapt import AdaptersMap
-from psycopg.conninfo import conninfo_attempts
+from psycopg.conninfo import conninfo_attempts, make_conninfo
 from psycopg.types.numeric import Int8Dumper
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.engine import Dialect, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL, Dialect, Engine
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.pool import NullPool
 
 from .. import _core as core
 from .._core import Grant, Miss, Queued, Rows
 from .._faults import OutOfTime, first_line, missing_schema_hint
+from .._redact import display_url
 from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
 from ..schema import (
     holders_table_name,
@@ -188,6 +191,26 @@ class PostgreSQL(Backend):
         await cursor.execute(sql, params, prepare=self.prepare)
         return list(await cursor.fetchall()) if cursor.description is not None else []
 
+    # -- engines -----------------------------------------------------------------------
+    @classmethod
+    def engine_for_url(cls, url: URL) -> Engine:
+        if url.drivername in ("postgresql", "postgres"):
+            url = url.set(drivername="postgresql+psycopg")  # psycopg 3 is dblock's driver
+        if url.get_driver_name() in CONVERTED:
+            url = psycopg_url(url)
+        _check_driver(url)
+        try:
+            return _postgresql_engine(url)
+        except (NoSuchModuleError, ArgumentError) as exc:
+            raise ValueError(f"cannot use {display_url(url)}: {exc}") from None
+
+    @classmethod
+    def adopt(cls, engine: Engine) -> tuple[Engine, bool]:
+        if engine.url.get_driver_name() in CONVERTED:
+            return _postgresql_engine(psycopg_url(engine.url)), True
+        _check_driver(engine.url)
+        return engine, False
+
     # -- notifications -----------------------------------------------------------------
     @staticmethod
     def listen(listener: str) -> list[str]:
@@ -264,6 +287,76 @@ class _Names:
         self.holders = prefix + quote(holders_table_name(table))
         self.shared = [prefix + quote(n) for n in shared_function_names(table)]
         self.share_enqueue = prefix + quote(shared_queue_function_names(table)[1])
+
+
+# -- engines: dblock's own connections are psycopg 3, whatever the app's driver ----------
+# Drivers whose URLs dblock converts to psycopg 3 (its own connections), and
+# asyncpg's URL arguments: the libpq keyword each one becomes, or None where it
+# tunes asyncpg's own statement cache, which dblock's connections do not use.
+CONVERTED = ("psycopg2", "asyncpg", "psycopg_async")
+_ASYNCPG_ARGUMENTS: dict[str, str | None] = {
+    "host": "host",  # SQLAlchemy's host list (host=a:5432&host=b:5432), read alike by both dialects
+    "target_session_attrs": "target_session_attrs",
+    "password": "password",
+    "ssl": "sslmode",
+    "sslmode": "sslmode",
+    "prepared_statement_cache_size": None,
+    "prepared_statement_name_func": None,
+}
+_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+
+# create_schema's connections (dblock's own statements bound theirs by op_timeout):
+# without a timeout libpq waits for ever on a host that accepts and then stays silent.
+SCHEMA_CONNECT_TIMEOUT = 10
+
+
+def _postgresql_engine(url: URL) -> Engine:
+    """An engine dblock makes for a PostgreSQL URL (used by ``create_schema``): its connections
+    give up connecting after ``SCHEMA_CONNECT_TIMEOUT`` s per host, unless the URL says otherwise."""
+    connect_args = {} if "connect_timeout" in url.query else {"connect_timeout": SCHEMA_CONNECT_TIMEOUT}
+    return create_engine(url, poolclass=NullPool, connect_args=connect_args)
+
+
+
+def psycopg_url(url: URL) -> URL:
+    """The ``postgresql+psycopg`` URL of a psycopg2 or asyncpg one (password kept).
+
+    psycopg2 passes its query arguments to libpq as they are; asyncpg's are
+    renamed (``ssl`` is libpq's ``sslmode``) or dropped (its statement cache).
+    Either way every argument left must be one libpq knows, checked here,
+    before any connection: a typo fails now, not at the first acquire.
+    """
+    query: dict[str, Any] = dict(url.query)
+    if url.get_driver_name() == "asyncpg":
+        query = {}
+        for key, value in url.query.items():
+            if key not in _ASYNCPG_ARGUMENTS:
+                raise ValueError(
+                    f"dblock opens psycopg connections from the asyncpg URL {display_url(url)},"
+                    f" and knows no libpq equivalent of its argument {key!r}: give dblock a postgresql+psycopg:// URL"
+                )
+            renamed = _ASYNCPG_ARGUMENTS[key]
+            if renamed is None:
+                continue
+            if renamed == "sslmode" and value not in _SSL_MODES:
+                raise ValueError(f"{key}={value!r} in the asyncpg URL: dblock understands the sslmode names {_SSL_MODES}")
+            query[renamed] = value
+    libpq = {key: value for key, value in query.items() if isinstance(value, str)}  # host=a&host=b: a list
+    try:
+        make_conninfo(**libpq)  # libpq parses it: an unknown keyword is refused here
+    except psycopg.ProgrammingError as exc:
+        raise ValueError(f"{display_url(url)}: {exc}") from None
+    return url.set(drivername="postgresql+psycopg", query=query)
+
+
+def _check_driver(url: URL) -> None:
+    if url.get_backend_name() != "postgresql" or url.get_driver_name() not in ("psycopg", ""):
+        raise ValueError(
+            f"dblock supports postgresql+psycopg://, postgresql+psycopg2://, postgresql+asyncpg:// and sqlite:///"
+            f" URLs, not {url.drivername}://"
+        )
 
 
 # -- errors and connections (the asyncio face's too) -----------------------------------

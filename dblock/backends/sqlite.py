@@ -17,8 +17,10 @@ import time
 from typing import Any, Sequence
 
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Dialect, Engine
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL, Dialect, Engine
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
 
 from .. import _core as core
 from .._core import Grant, Miss, Rows
@@ -141,6 +143,16 @@ class SQLite(Backend):
     def insert(cls) -> Any:
         return sqlite_insert
 
+    # -- engines -----------------------------------------------------------------------
+    @classmethod
+    def engine_for_url(cls, url: URL) -> Engine:
+        return _sqlite_engine(_pysqlite(url))
+
+    @classmethod
+    def adopt(cls, engine: Engine) -> tuple[Engine, bool]:
+        # dblock's own engine on the same file: its pool must hand connections across threads.
+        return _sqlite_engine(_pysqlite(engine.url)), True
+
     @classmethod
     def prepare_database(cls, engine: Engine) -> None:
         use_wal(engine)
@@ -181,6 +193,29 @@ def translate(exc: BaseException, where: str, table: str) -> DBLockError:
         # Permanent, not an outage: a wait must not retry it until its deadline.
         return DBLockError(f"{where} is not a SQLite database: {first_line(exc)}")
     return DBLockError(f"{where}: {first_line(exc)}")
+
+
+def _pysqlite(url: URL) -> URL:
+    """A SQLite URL checked, as the standard sqlite3 module's (an aiosqlite URL is the same file)."""
+    if url.get_driver_name() == "aiosqlite":
+        url = url.set(drivername="sqlite")
+    _check_sqlite(url)
+    return url
+
+
+def _check_sqlite(url: URL) -> None:
+    if url.get_driver_name() not in ("pysqlite", ""):
+        raise ValueError(f"dblock supports SQLite through the standard sqlite3 module, not {url.drivername}")
+    if url.database in (None, "", ":memory:"):
+        raise ValueError("an in-memory SQLite database cannot be shared between connections; give a file path")
+    if sqlite3.sqlite_version_info < (3, 35):
+        raise ValueError(f"dblock needs SQLite 3.35 or newer (RETURNING); this Python has {sqlite3.sqlite_version}")
+
+
+def _sqlite_engine(url: URL) -> Engine:
+    # dblock's pool hands a connection to one thread at a time, but not always
+    # the same thread.
+    return create_engine(url, poolclass=NullPool, connect_args={"check_same_thread": False})
 
 
 def use_wal(engine: Engine) -> None:

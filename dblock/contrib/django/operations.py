@@ -61,10 +61,9 @@ class MigrateDBLock(Operation):
             schema_editor.collected_sql.append(migrate.sql(dialect, DEFAULT_TABLE, None, steps).rstrip())
             return
         with _engine(alias) as engine, migrate.database_errors(engine, DEFAULT_TABLE):
-            if engine.dialect.name == "sqlite":
-                from dblock._engine import use_wal
+            from dblock import backends
 
-                use_wal(engine)
+            backends.of(engine).prepare_database(engine)  # SQLite: WAL
             # To the head, upgrade looks first: tables already current (made by
             # `dblock migrate`, or the app's own Alembic history) stay as they are.
             target = "heads" if self.revision in _heads() else self.revision
