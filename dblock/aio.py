@@ -5,7 +5,8 @@ are thin over ``_core`` (what a row means, every pause, deadline and trust
 window) and ``statements`` (the SQL), and differ only in how they wait. Here a
 waiter is a coroutine, not a thread: fair waiters sleep on an
 ``asyncio.Event`` that the AsyncLocker's one listener task sets when a release
-hands them the lease; renewal is a task; ``lease.lost`` is an
+hands them the lease; renewal is one task per AsyncLocker, batching the
+extends that fall due together (``_arenew``); ``lease.lost`` is an
 ``asyncio.Event``; ``on_lost`` runs on the event loop. PostgreSQL goes through
 psycopg's ``AsyncConnection``, SQLite through ``aiosqlite``.
 
@@ -19,11 +20,9 @@ An AsyncLocker belongs to one event loop (the one it is first used on).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 import time
-import weakref
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, ParamSpec, TypeVar, Union
@@ -36,6 +35,7 @@ from . import backends
 from ._aacquire import AsyncAcquirer, Try
 from ._acleanup import AsyncCleanup
 from ._adriver import AsyncDriver
+from ._arenew import AsyncRenewer, Renewal
 from ._averbs import AsyncVerbs
 from ._await import AsyncHeartbeat, AsyncListener
 from ._core import Extended, Granted
@@ -43,7 +43,7 @@ from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
-from .errors import DatabaseUnavailable, DBLockError, LeaseLost, LockNotAcquired
+from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
 from .lease import LeaseInfo, LeaseState, LeaseView
 from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
 from .schema import DEFAULT_TABLE
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
-renew_log = logging.getLogger("dblock.renew")
 
 AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
 T = TypeVar("T")
@@ -145,6 +144,9 @@ class AsyncLocker:
         )
         self._migrated: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, on_lost
+        # One renewal task for all its leases, as the sync face's; its extends leave a connection for releases.
+        workers = max(1, min(4, max_connections - 1))
+        self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, workers, self._spawn)
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -377,6 +379,13 @@ class AsyncLocker:
         await self._ensure_schema()
         return await self._verbs.extend(name, owner, token, ttl, deadline, shared)
 
+    async def _extend_many(
+        self, leases: list[AsyncLease], deadline: float, shared: bool
+    ) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` by their own ttl in one statement (``AsyncVerbs.extend_many``)."""
+        batch = [(lease.name, lease.owner, lease.token, lease.ttl) for lease in leases]
+        return await self._verbs.extend_many(batch, deadline, shared)
+
     async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
         """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (``AsyncVerbs.end``)."""
         return await self._verbs.end(key, deadline, hold, shared=shared)
@@ -418,59 +427,8 @@ class AsyncLocker:
         return self._default_label.get() if self.label is None else self.label
 
     # -- renewal -----------------------------------------------------------
-    def _renew(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> asyncio.Task[None]:
-        return self._spawn(
-            self._renewing(weakref.ref(lease), lease.name, lease.owner, lease.token, state, on_lost, lease.shared)
-        )
-
-    async def _renewing(
-        self,
-        ref: weakref.ref[AsyncLease],
-        name: str,
-        owner: str,
-        token: int,
-        state: LeaseState,
-        on_lost: AsyncOnLost | None,
-        shared: bool = False,
-    ) -> None:
-        """Extend the lease every ttl/3 (as ``renew.Renewer`` does, one task per lease) until it ends.
-
-        Holds the lease only by weak reference: renewal stops when it is garbage-collected.
-        """
-        while not state.ended():
-            await asyncio.sleep(core.until_due(state.ttl, max(0.0, state.trusted_until - time.monotonic())))
-            while not state.ended():
-                if ref() is None:
-                    return
-                now = time.monotonic()
-                left = state.trusted_until - now
-                if left <= 0:
-                    self._lose(ref, state, on_lost, "the database did not answer before its trusted time ran out")
-                    return
-                try:
-                    done = await self._extend(
-                        name, owner, token, state.ttl, min(now + self.op_timeout, state.trusted_until), shared
-                    )
-                except DBLockError as exc:
-                    if state.ended():
-                        return
-                    renew_log.warning("could not extend %r (token %s): %s; retrying", name, token, exc)
-                    await asyncio.sleep(core.retry_after(state.ttl, max(0.0, state.trusted_until - time.monotonic())))
-                    continue
-                if done is None:
-                    if not state.released:
-                        self._lose(ref, state, on_lost, "it was taken over, or released by force")
-                    return
-                if not state.ended():
-                    state.extended(done.expires_at, state.ttl, done.sent_at)
-                break
-
-    def _lose(self, ref: weakref.ref[AsyncLease], state: LeaseState, on_lost: AsyncOnLost | None, why: str) -> None:
-        state.lose()
-        lease = ref()
-        renew_log.error("lost the lease on %r: %s", getattr(lease, "name", "?"), why)
-        if lease is not None and on_lost is not None:
-            self._spawn(_call_on_lost(on_lost, lease))
+    def _renew(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> Renewal:
+        return self._renewer.add(lease, state, on_lost)
 
     # -- operators ---------------------------------------------------------
     async def leases(self) -> list[LeaseInfo]:
@@ -514,6 +472,7 @@ class AsyncLocker:
         have been granted) gets ``op_timeout`` to finish first.
         """
         await self._cleanup.close(self.op_timeout)
+        self._renewer.close()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -535,15 +494,6 @@ class AsyncLocker:
 
     def __repr__(self) -> str:
         return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
-
-
-async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:
-    try:
-        result = on_lost(lease)
-        if inspect.isawaitable(result):
-            await result
-    except Exception:  # noqa: BLE001 - the user's callback; renewal goes on for other leases
-        renew_log.exception("on_lost callback for %r raised", lease.name)
 
 
 class AsyncLease(LeaseView):
@@ -575,7 +525,7 @@ class AsyncLease(LeaseView):
         self.token = token
         hold = metrics.recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), hold, lost=asyncio.Event())
-        self._renewal: asyncio.Task[None] | None = None
+        self._renewal: Renewal | None = None  # its place in the AsyncLocker's renewal schedule
 
     @property
     def locker(self) -> AsyncLocker:
@@ -613,16 +563,21 @@ class AsyncLease(LeaseView):
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
         renewal = self._renewal
-        self._stop_renewal()
         if renewal is not None and core.holds(self._min_hold):
             # A held lease keeps its owner: an extend in flight landing after the release
-            # would push the hold out. Cancelled, it ends (or is cancelled on the server) first.
-            await asyncio.wait([renewal], timeout=self._locker.op_timeout)
+            # would push the hold out. It carries its batch's other leases too, so it is
+            # waited for (up to op_timeout), not cancelled.
+            await self._locker._renewer.settle(renewal, self._locker._deadline())
+        else:
+            self._stop_renewal()
         return await self._locker._release(self.name, self.owner, self.token, self._state, self._min_hold, self._shared)
 
     def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
-        """Extend this lease every ttl/3 in a task until it is released or lost.
+        """Extend this lease every ttl/3 until it is released or lost.
 
+        The AsyncLocker's renewal task does it (one for all its leases, sending
+        the extends that fall due together as one statement), and holds only a
+        weak reference: renewal also stops when the lease is garbage-collected.
         When lost, ``lost`` is set, ``remaining()`` returns 0 and ``on_lost(lease)``
         (a plain or async callable) runs on the event loop.
         """
@@ -636,7 +591,7 @@ class AsyncLease(LeaseView):
 
     def _stop_renewal(self) -> None:
         if self._renewal is not None:
-            self._renewal.cancel()
+            self._locker._renewer.drop(self._renewal)
 
     async def __aenter__(self) -> AsyncLease:
         return self

@@ -30,10 +30,14 @@ def short_linger(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("dblock.renew.LINGER", 0.2)
 
 
+def _span(db: Db) -> str:
+    """Seconds from a row's grant to its current expiry, as that database's SQL says it."""
+    return "EXTRACT(EPOCH FROM expires_at - acquired_at)" if db.backend == "postgresql" else "expires_at - acquired_at"
+
+
 def held_for(db: Db, name: str) -> float:
     """Seconds from the grant to the current expiry of ``name``, by the database clock."""
-    span = "EXTRACT(EPOCH FROM expires_at - acquired_at)" if db.backend == "postgresql" else "expires_at - acquired_at"
-    ((seconds,),) = db.query(f"SELECT {span} FROM {db.table} WHERE name = %s", (name,))
+    ((seconds,),) = db.query(f"SELECT {_span(db)} FROM {db.table} WHERE name = %s", (name,))
     return float(seconds or 0)
 
 
@@ -115,10 +119,10 @@ def test_many_leases_renew_in_few_statements(pg: Db) -> None:
         proxy.close()
 
 
-def _held(db: Db) -> list[tuple[str, float]]:
-    return [(name, float(held)) for name, held in db.query(
-        f"SELECT name, EXTRACT(EPOCH FROM expires_at - acquired_at) FROM {db.table} WHERE owner IS NOT NULL"
-    )]
+def _held(db: Db, shared: bool = False) -> list[tuple[str, float]]:
+    """(name, ``held_for``) of every held lease in one query; ``shared``: of the shared leases' holders."""
+    table = f"{db.table}_holders" if shared else f"{db.table} WHERE owner IS NOT NULL"
+    return [(name, float(held)) for name, held in db.query(f"SELECT name, {_span(db)} FROM {table}")]
 
 
 def test_renewal_leaves_a_connection_for_releases(pg: Db) -> None:
