@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import psycopg
 from psycopg.adapt import AdaptersMap
+from psycopg.pq import ExecStatus
 from psycopg.conninfo import conninfo_attempts, make_conninfo
 from psycopg.types.numeric import Int8Dumper
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -49,6 +50,7 @@ _OUTAGE_CLASSES = ("08", "57", "53")
 # The fair queue's NOTIFY: a hand-off to owner "<listener id><wait id>" goes to channel
 # CHANNEL_PREFIX + listener id with the payload "owner token expiry" (migration 0005's hand-off).
 CHANNEL_PREFIX = "dblock_"
+TUPLES_OK = ExecStatus.TUPLES_OK
 APPLICATION_NAME = "dblock listener"  # the listener's session, as pg_stat_activity shows it
 # Errors of making the schema that mean the server is out of reach, not that the DDL is wrong.
 _UNAVAILABLE_SQLSTATES = {
@@ -165,7 +167,10 @@ class PostgreSQL(Backend):
         # Prepared once per connection, then one round trip per call
         # (unless prepare=False: then each call sends its text unnamed).
         cursor.execute(sql, params, prepare=self.prepare)
-        return cursor.fetchall() if cursor.description is not None else []
+        # Rows only from a statement that returns them (not LOCK TABLE); read from the result's
+        # status, which costs nothing, where cursor.description would build column objects.
+        result = cursor.pgresult
+        return cursor.fetchall() if result is not None and result.status == TUPLES_OK else []
 
     async def aconnect(self, deadline: float) -> Any:
         failed: list[psycopg.Error] = []
@@ -189,7 +194,8 @@ class PostgreSQL(Backend):
 
     async def aexecute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         await cursor.execute(sql, params, prepare=self.prepare)
-        return list(await cursor.fetchall()) if cursor.description is not None else []
+        result = cursor.pgresult
+        return list(await cursor.fetchall()) if result is not None and result.status == TUPLES_OK else []
 
     # -- engines -----------------------------------------------------------------------
     @classmethod
