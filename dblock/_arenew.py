@@ -49,7 +49,7 @@ from . import _core as core
 from .renew import BATCH_MAX
 
 if TYPE_CHECKING:
-    from .aio import AsyncLease, AsyncOnLost
+    from ._alease import AsyncLease, AsyncOnLost
     from .lease import LeaseState
 
 log = logging.getLogger("dblock.renew")

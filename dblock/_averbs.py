@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import _core as core
 from ._core import Ended, Extended, Grant, Miss, Queued
-from .lease import LeaseInfo
+from ._lease_state import LeaseInfo
 
 if TYPE_CHECKING:
     from ._adriver import AsyncDriver

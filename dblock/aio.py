@@ -25,7 +25,7 @@ import math
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, ParamSpec, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
@@ -35,16 +35,18 @@ from . import backends
 from ._aacquire import AsyncAcquirer, Try
 from ._acleanup import AsyncCleanup
 from ._adriver import AsyncDriver
-from ._arenew import AsyncRenewer, Renewal
+from ._akeeper import AsyncKeeper
+from ._alease import AsyncLease, AsyncOnLost
+from ._arenew import AsyncRenewer
 from ._averbs import AsyncVerbs
 from ._await import AsyncHeartbeat, AsyncListener
-from ._core import Extended, Granted
+from ._core import Granted
 from ._engine import engine_for
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
-from .errors import DatabaseUnavailable, LeaseLost, LockNotAcquired
-from .lease import LeaseInfo, LeaseState, LeaseView
+from .errors import LockNotAcquired
+from .lease import LeaseInfo
 from .locker import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
 from .schema import DEFAULT_TABLE
 
@@ -54,7 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dblock.acquire")
 release_log = logging.getLogger("dblock.release")
 
-AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
@@ -147,6 +148,11 @@ class AsyncLocker:
         # One renewal task for all its leases, as the sync face's; its extends leave a connection for releases.
         workers = max(1, min(4, max_connections - 1))
         self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, workers, self._spawn)
+        # What this AsyncLocker's leases call: the exclusive lock's, and shared leases' (read locks,
+        # semaphore slots); both renew through the one renewal task.
+        self.keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
+        self.shared_keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
+        self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -244,9 +250,9 @@ class AsyncLocker:
         return None if granted is None else self._lease(name, attempt, ttl, granted)
 
     def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted) -> AsyncLease:
-        shared = core.shared_kind(attempt.limit)
+        keeper = self.shared_keeper if core.shared_kind(attempt.limit) else self.keeper
         return AsyncLease(
-            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold, shared
+            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold, keeper
         )
 
     async def _attempt(
@@ -370,49 +376,16 @@ class AsyncLocker:
             lease.start_renewal(on_lost)
         return lease
 
-    # -- the statements behind a lease's verbs -------------------------------
-    # ``shared``: a reader's or semaphore holder's lease, whose verbs are the shared
-    # statements (as ``SharedKeeper``'s); otherwise the exclusive lock's.
-    async def _extend(
-        self, name: str, owner: str, token: int, ttl: float, deadline: float, shared: bool = False
-    ) -> Extended | None:
-        await self._ensure_schema()
-        return await self._verbs.extend(name, owner, token, ttl, deadline, shared)
-
+    # -- renewal's batches and operators' ends -------------------------------
     async def _extend_many(
         self, leases: list[AsyncLease], deadline: float, shared: bool
     ) -> tuple[float, list[datetime | None]]:
-        """Renewal's extend: ``leases`` by their own ttl in one statement (``AsyncVerbs.extend_many``)."""
-        batch = [(lease.name, lease.owner, lease.token, lease.ttl) for lease in leases]
-        return await self._verbs.extend_many(batch, deadline, shared)
+        """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
+        return await (self.shared_keeper if shared else self.keeper).extend_many(leases, deadline)
 
     async def _end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> core.Ended:
         """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (``AsyncVerbs.end``)."""
         return await self._verbs.end(key, deadline, hold, shared=shared)
-
-    async def _release(
-        self, name: str, owner: str, token: int, state: LeaseState, hold: float, shared: bool = False
-    ) -> bool:
-        await self._ensure_schema()
-        state.released = True  # before the statement: renewal must not take the cleared row for a loss
-        key = {"name": name, "owner": owner, "token": token}
-        ended: bool | None = None
-        try:
-            outcome = await self._end(key, self._deadline(), hold, shared=shared)
-            ended = outcome.ended
-        except DatabaseUnavailable:
-            # Unconfirmed: keep ending it in the background until it would expire.
-            self._cleanup.add(
-                f"the lease on {name!r} (token {token})",
-                lambda: self._end(key, self._deadline(), hold, shared=shared),
-                time.monotonic() + state.ttl,
-            )
-            raise
-        finally:
-            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
-        state.held_until = outcome.held_until
-        self._acquirer.released(name, held=outcome.held_until is not None)
-        return outcome.ended
 
     def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(work)
@@ -426,9 +399,6 @@ class AsyncLocker:
     def _label(self) -> str:
         return self._default_label.get() if self.label is None else self.label
 
-    # -- renewal -----------------------------------------------------------
-    def _renew(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> Renewal:
-        return self._renewer.add(lease, state, on_lost)
 
     # -- operators ---------------------------------------------------------
     async def leases(self) -> list[LeaseInfo]:
@@ -494,127 +464,6 @@ class AsyncLocker:
 
     def __repr__(self) -> str:
         return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
-
-
-class AsyncLease(LeaseView):
-    """A grant of lock ``name`` to this process, for asyncio code (see ``Lease``).
-
-    ``token`` is the fencing token. ``lost`` is an ``asyncio.Event``, set once
-    this holder learns that the lease is gone without its release.
-    """
-
-    __slots__ = ("_locker", "name", "owner", "token", "_min_hold", "_shared", "_state", "_renewal", "__weakref__")
-
-    def __init__(
-        self,
-        locker: AsyncLocker,
-        name: str,
-        owner: str,
-        token: int,
-        expires_at: datetime,
-        ttl: float,
-        sent_at: float,
-        min_hold: float = 0.0,
-        shared: bool = False,
-    ) -> None:
-        self._locker = locker
-        self._min_hold = min_hold
-        self._shared = shared  # its verbs send the shared statements (share_release, share_extend)
-        self.name = name
-        self.owner = owner
-        self.token = token
-        hold = metrics.recorder.hold(locker.backend.name, name)
-        self._state = LeaseState(expires_at, ttl, core.trusted_until(sent_at, ttl), hold, lost=asyncio.Event())
-        self._renewal: Renewal | None = None  # its place in the AsyncLocker's renewal schedule
-
-    @property
-    def locker(self) -> AsyncLocker:
-        """The AsyncLocker that granted this lease."""
-        return self._locker
-
-    @property
-    def shared(self) -> bool:
-        """True for a read lock's or semaphore's lease; False for the exclusive (write) lock's."""
-        return self._shared
-
-    @property
-    def lost(self) -> asyncio.Event:
-        """Set once this holder learns that the lease is gone without its release."""
-        return self._state.lost  # type: ignore[return-value]
-
-    async def extend(self, ttl: float | None = None) -> None:
-        """Push the expiry to (database now + ttl); raises ``LeaseLost`` if someone else took the lock."""
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
-        if self._state.released:
-            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
-        done = await self._locker._extend(self.name, self.owner, self.token, ttl, self._locker._deadline(), self._shared)
-        if done is None:
-            if not self._state.released:
-                self._state.lose()
-                self._stop_renewal()
-            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
-        self._state.extended(done.expires_at, ttl, done.sent_at)
-
-    async def release(self) -> bool:
-        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
-
-        With a ``min_hold`` not yet passed, keeps it until then instead (``held_until``), as ``Lease.release``.
-        """
-        if self._state.held_until is not None:
-            return False  # kept for its hold by an earlier release: nothing left to end
-        renewal = self._renewal
-        if renewal is not None and core.holds(self._min_hold):
-            # A held lease keeps its owner: an extend in flight landing after the release
-            # would push the hold out. It carries its batch's other leases too, so it is
-            # waited for (up to op_timeout), not cancelled.
-            await self._locker._renewer.settle(renewal, self._locker._deadline())
-        else:
-            self._stop_renewal()
-        return await self._locker._release(self.name, self.owner, self.token, self._state, self._min_hold, self._shared)
-
-    def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
-        """Extend this lease every ttl/3 until it is released or lost.
-
-        The AsyncLocker's renewal task does it (one for all its leases, sending
-        the extends that fall due together as one statement), and holds only a
-        weak reference: renewal also stops when the lease is garbage-collected.
-        When lost, ``lost`` is set, ``remaining()`` returns 0 and ``on_lost(lease)``
-        (a plain or async callable) runs on the event loop.
-        """
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
-        if self._state.ended():
-            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
-        if self._renewal is not None:
-            raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
-        self._renewal = self._locker._renew(self, self._state, on_lost)
-
-    def _stop_renewal(self) -> None:
-        if self._renewal is not None:
-            self._locker._renewer.drop(self._renewal)
-
-    async def __aenter__(self) -> AsyncLease:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
-        failing = exc is not None
-        released_before = self._state.released
-        try:
-            ended = await self.release()
-        except Exception:
-            if not failing:
-                raise
-            release_log.exception("could not release %r after an error in the async with-block", self.name)
-            return
-        lost = self._lost_in_block(ended, released_before, failing)
-        if lost is not None:
-            raise lost
-
-    def __repr__(self) -> str:
-        return f"<AsyncLease {self.name!r} token={self.token} {self._status()}>"
 
 
 class _AsyncLockContext:

@@ -6,7 +6,6 @@ import logging
 import math
 import threading
 import time
-from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, ParamSpec, TypeVar
 
@@ -29,8 +28,9 @@ from ._verbs import Verbs
 from ._wait import Heartbeat, Listener
 from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .errors import DatabaseUnavailable, LockNotAcquired
-from .lease import Lease, LeaseInfo, LeaseState
-from .renew import OnLost, Renewal, Renewer
+from ._keeper import Keeper
+from .lease import Lease, LeaseInfo
+from .renew import OnLost, Renewer
 from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
@@ -140,11 +140,15 @@ class Locker:
             poll_min=self.poll_min, poll_max=self.poll_max,
         )
         self._hot = self._acquirer.hot
-        # What this Locker's leases call. One renewal thread for all of them;
-        # their extends go out in batches, on at most size - 1 connections.
-        self.keeper = Keeper(self, max(1, min(4, max_connections - 1)))
-        # Shared leases' (read locks, semaphore slots) verbs, with a renewal of their own.
-        self.shared_keeper = SharedKeeper(self, max(1, min(2, max_connections - 1)))
+        # What this Locker's leases call: the exclusive lock's, and shared leases' (read locks,
+        # semaphore slots). One renewal thread for each kind; their extends go out in batches,
+        # on at most size - 1 connections.
+        self.keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
+        self.keeper.renewer = Renewer(self.keeper.extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
+        self.shared_keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
+        self.shared_keeper.renewer = Renewer(
+            self.shared_keeper.extend_many, self.op_timeout, max(1, min(2, max_connections - 1))
+        )
         self._renewer = self.keeper.renewer
         self._migrated = threading.Lock()
 
@@ -573,78 +577,3 @@ class Shared:
     def __repr__(self) -> str:
         kind = "readers" if self.limit is None else f"semaphore limit={self.limit}"
         return f"<Shared {self.name!r} {kind}>"
-
-
-class Keeper:
-    """The Locker's side of its leases (internal, not API): the statements behind a Lease's verbs.
-
-    A Locker makes one (``Locker.keeper``) and each Lease it grants holds it.
-    The Lease keeps its own state (``LeaseState``) and calls only these, so
-    neither reaches into the other's private names. Also holds the Locker's
-    renewal (``renewer``), whose batched extends it sends.
-    """
-
-    __slots__ = ("locker", "renewer")
-    shared = False  # the exclusive (write) lock's leases; SharedKeeper's are shared
-
-    def __init__(self, locker: Locker, renew_workers: int) -> None:
-        self.locker = locker
-        self.renewer = Renewer(self.extend_many, locker.op_timeout, renew_workers)
-
-    def release(
-        self, name: str, owner: str, token: int, state: LeaseState, hold: float = 0.0, renewal: Renewal | None = None
-    ) -> bool:
-        """End the lease, or keep it until ``hold`` s after its grant (``state.held_until``).
-
-        True if this call ended it or set its hold. Marks ``state`` released
-        first. A held lease keeps its owner, so an extend landing after the
-        release would push its expiry out: its ``renewal`` leaves the schedule
-        and an extend of it in flight is waited for before the release goes out.
-        """
-        locker = self.locker
-        locker._ensure_schema()
-        # Before the statement: a renewal extend that finds the row cleared by
-        # this release must not take it for a loss.
-        state.released = True
-        deadline = locker._deadline()
-        if renewal is not None and core.holds(hold):
-            self.renewer.settle(renewal, deadline)
-        key = {"name": name, "owner": owner, "token": token}
-        shared = self.shared
-        ended: bool | None = None
-        try:
-            outcome = locker._end(key, deadline, hold, shared=shared)
-            ended = outcome.ended
-        except DatabaseUnavailable:
-            # Unconfirmed: keep ending it in the background until it would expire.
-            locker._cleanup.add(
-                f"the lease on {name!r} (token {token})",
-                lambda: locker._end(key, locker._deadline(), hold, shared=shared),
-                time.monotonic() + state.ttl,
-            )
-            raise
-        finally:
-            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
-        state.held_until = outcome.held_until
-        locker._acquirer.released(name, held=outcome.held_until is not None)
-        return outcome.ended
-
-    def extend(self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None) -> Extended | None:
-        """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""
-        locker = self.locker
-        locker._ensure_schema()
-        return locker._verbs.extend(
-            name, owner, token, ttl, locker._deadline() if deadline is None else deadline, self.shared
-        )
-
-    def extend_many(self, leases: list[Lease], deadline: float) -> tuple[float, list[datetime | None]]:
-        """Renewal's extend: ``leases`` by their own ttl in one statement (``Verbs.extend_many``)."""
-        batch = [(lease.name, lease.owner, lease.token, lease.ttl) for lease in leases]
-        return self.locker._verbs.extend_many(batch, deadline, self.shared)
-
-
-class SharedKeeper(Keeper):
-    """The statements behind a shared lease's verbs (read locks and semaphore slots; internal)."""
-
-    __slots__ = ()
-    shared = True

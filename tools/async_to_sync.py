@@ -35,6 +35,8 @@ SOURCES = [
     ("dblock/_averbs.py", "dblock/_verbs.py"),
     ("dblock/_acleanup.py", "dblock/_cleanup.py"),
     ("dblock/_aacquire.py", "dblock/_acquire.py"),
+    ("dblock/_akeeper.py", "dblock/_keeper.py"),
+    ("dblock/_alease.py", "dblock/_lease.py"),
 ]
 
 RENAMES = {
@@ -69,6 +71,12 @@ RENAMES = {
     "AsyncAcquirer": "Acquirer",
     "_acleanup": "_cleanup",
     "AsyncCleanup": "Cleanup",
+    "_akeeper": "_keeper",
+    "AsyncKeeper": "Keeper",
+    "_alease": "_lease",
+    "AsyncLease": "Lease",
+    "AsyncOnLost": "OnLost",
+    "_arenew": "renew",
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",

@@ -1,0 +1,98 @@
+"""The statements behind a lease's verbs, and what surrounds them: a Locker's side of its leases (internal).
+
+Written once for both faces (``tools/async_to_sync.py`` writes ``_keeper.py``).
+A Locker makes two keepers, one for the exclusive (write) lock's leases and one
+for shared leases (read locks, semaphore slots), and each lease holds its own;
+the lease keeps its state (``LeaseState``) and calls only these, so neither
+reaches into the other's private names.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Sequence
+
+from . import _core as core
+from ._core import Extended
+from .errors import DatabaseUnavailable
+
+if TYPE_CHECKING:
+    from ._aacquire import AsyncAcquirer
+    from ._acleanup import AsyncCleanup
+    from ._alease import AsyncLease
+    from ._arenew import Renewal
+    from ._averbs import AsyncVerbs
+    from ._lease_state import LeaseState
+
+
+class AsyncKeeper:
+    """One Locker's side of its leases of one kind (``shared``): release, extend, renewal's batches."""
+
+    __slots__ = ("locker", "renewer", "shared", "_verbs", "_cleanup", "_acquirer")
+
+    def __init__(
+        self, locker: Any, verbs: AsyncVerbs, cleanup: AsyncCleanup, acquirer: AsyncAcquirer, *, shared: bool
+    ) -> None:
+        self.locker = locker  # the Locker whose leases these are (``lease.locker``)
+        self.renewer: Any = None  # the Locker's renewal of this kind of lease, set by the Locker
+        self.shared = shared  # a reader's or semaphore holder's leases: the shared statements
+        self._verbs = verbs
+        self._cleanup = cleanup
+        self._acquirer = acquirer
+
+    async def release(
+        self,
+        name: str,
+        owner: str,
+        token: int,
+        state: LeaseState,
+        hold: float = 0.0,
+        renewal: Renewal | None = None,
+    ) -> bool:
+        """End the lease, or keep it until ``hold`` s after its grant (``state.held_until``).
+
+        True if this call ended it or set its hold. Marks ``state`` released
+        first. A held lease keeps its owner, so an extend landing after the
+        release would push its expiry out: an extend of it in flight (its
+        ``renewal``) is waited for before the release goes out.
+        """
+        # Before the statement: a renewal extend that finds the row cleared by
+        # this release must not take it for a loss.
+        state.released = True
+        deadline = self._verbs.deadline()
+        if renewal is not None and core.holds(hold):
+            await self.renewer.settle(renewal, deadline)
+        key = {"name": name, "owner": owner, "token": token}
+        shared = self.shared
+        ended: bool | None = None
+        try:
+            outcome = await self._verbs.end(key, deadline, hold, shared=shared)
+            ended = outcome.ended
+        except DatabaseUnavailable:
+            # Unconfirmed: keep ending it in the background until it would expire.
+            self._cleanup.add(
+                f"the lease on {name!r} (token {token})",
+                lambda: self._verbs.end(key, self._verbs.deadline(), hold, shared=shared),
+                time.monotonic() + state.ttl,
+            )
+            raise
+        finally:
+            state.hold.end(lost=ended is False)  # False: someone else ended it first (a takeover, a force release)
+        state.held_until = outcome.held_until
+        self._acquirer.released(name, held=outcome.held_until is not None)
+        return outcome.ended
+
+    async def extend(
+        self, name: str, owner: str, token: int, ttl: float, deadline: float | None = None
+    ) -> Extended | None:
+        """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""
+        deadline = self._verbs.deadline() if deadline is None else deadline
+        return await self._verbs.extend(name, owner, token, ttl, deadline, self.shared)
+
+    async def extend_many(
+        self, leases: Sequence[AsyncLease], deadline: float
+    ) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` by their own ttl in one statement (``AsyncVerbs.extend_many``)."""
+        batch = [(lease.name, lease.owner, lease.token, lease.ttl) for lease in leases]
+        return await self._verbs.extend_many(batch, deadline, self.shared)

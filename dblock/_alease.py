@@ -1,0 +1,181 @@
+"""A granted lease: its fencing token, and the verbs only its holder may use.
+
+Written once for both faces (``tools/async_to_sync.py`` writes ``_lease.py``,
+whose ``Lease`` the sync face hands out, from this module's ``AsyncLease``).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
+
+from . import metrics
+from ._acompat import AEvent
+from ._core import trusted_until
+from ._lease_state import LeaseState, LeaseView
+from ._validate import check_ttl
+from .errors import LeaseLost
+
+if TYPE_CHECKING:
+    from ._akeeper import AsyncKeeper
+    from ._arenew import Renewal
+
+release_log = logging.getLogger("dblock.release")
+
+# What renewal calls when it finds a lease lost: a plain callable (on asyncio also an async one).
+AsyncOnLost = Callable[["AsyncLease"], Union[object, Awaitable[object]]]
+
+
+class AsyncLease(LeaseView):
+    """A grant of lock ``name`` to this process.
+
+    ``token`` is the fencing token: larger than every earlier grant's of the
+    same name. Pass it to the resource you protect so that a write made after
+    this lease was lost is refused (see the README, "Fencing tokens").
+    A shared lease (``read_lock``, ``semaphore``; ``shared`` is True) has a
+    token of its own, larger than every earlier grant of the name; several
+    shared leases hold at once, so it orders this holder after every earlier
+    writer, not against the other holders (README, "Shared locks").
+
+    ``lost`` is an Event (asyncio's on the asyncio face, threading's on the
+    sync one), set once this holder learns that the lease is gone without its
+    release: renewal (``start_renewal``) found it taken over or could not
+    extend it in time, or ``extend`` found it taken.
+
+    ``min_hold``: seconds after the grant (database clock) before which a
+    release keeps the lease instead of ending it (0: none); see ``release``.
+    """
+
+    __slots__ = ("_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
+
+    def __init__(
+        self,
+        locker: Any,
+        name: str,
+        owner: str,
+        token: int,
+        expires_at: datetime,
+        ttl: float,
+        sent_at: float,
+        min_hold: float = 0.0,
+        keeper: AsyncKeeper | None = None,
+    ) -> None:
+        # The statements behind this lease's verbs: the exclusive lock's, or (``keeper``) the shared ones.
+        self._keeper: AsyncKeeper = locker.keeper if keeper is None else keeper
+        self.name = name
+        self.owner = owner
+        self.token = token
+        self._min_hold = min_hold
+        hold = metrics.recorder.hold(locker.backend.name, name)
+        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, lost=AEvent())
+        self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
+
+    @property
+    def locker(self) -> Any:
+        """The Locker that granted this lease (its ``engine``, ``table`` and ``schema`` say where it lives)."""
+        return self._keeper.locker
+
+    @property
+    def shared(self) -> bool:
+        """True for a read lock's or semaphore's lease; False for the exclusive (write) lock's."""
+        return self._keeper.shared
+
+    @property
+    def lost(self) -> AEvent:
+        """Set once this holder learns that the lease is gone without its release."""
+        return self._state.lost  # type: ignore[no-any-return]
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """Push the expiry to (database now + ttl). Raises LeaseLost if someone else took the lock.
+
+        It never shortens the lease: a later expiry already set stays (a late
+        statement must not end a lease its holder still trusts).
+
+        Works even after the TTL ran out, as long as no one else acquired in
+        between: exclusivity was never broken. Not after ``release`` (LeaseLost,
+        before any SQL): a lease kept for its ``min_hold`` must end on time.
+        """
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        if self._state.released:
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
+        done = await self._keeper.extend(self.name, self.owner, self.token, ttl)
+        if done is None:
+            if not self._state.released:
+                self._lose()
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
+        self._state.extended(done.expires_at, ttl, done.sent_at)
+
+    async def release(self) -> bool:
+        """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
+
+        With a ``min_hold`` that has not passed yet (by the database clock,
+        counted from the grant), the lease is kept instead, under the same
+        owner and token, and ends at grant + min_hold (``held_until``), sooner
+        or later than its expiry was; renewal stops, waiters get it then. That
+        also returns True, once: a later call returns False, sending nothing.
+        Once the hold has passed, it ends now, as without one.
+        """
+        if self._state.held_until is not None:
+            return False  # kept for its hold by an earlier release: nothing left to end
+        try:
+            return await self._keeper.release(
+                self.name, self.owner, self.token, self._state, self._min_hold, self._renewal
+            )
+        finally:
+            if self._renewal is not None:
+                self._keeper.renewer.drop(self._renewal)
+
+    def start_renewal(self, on_lost: AsyncOnLost | None = None) -> None:
+        """Extend this lease every ttl/3 until it is released or lost.
+
+        The Locker's renewal does it (one scheduler for all its leases, sending
+        the extends that fall due together as one statement), and holds only a
+        weak reference: renewal also stops when the lease is garbage-collected.
+        If an extend finds the lease taken over, or the database does not
+        answer before ``remaining()`` runs out, ``lost`` is set, ``remaining()``
+        returns 0 and ``on_lost(lease)`` runs on its own (a thread; on asyncio
+        a task, and it may be an async callable). Stop your work there: the
+        lock no longer protects it.
+        """
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
+        if self._state.ended():
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
+        if self._renewal is not None:
+            raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
+        self._renewal = self._keeper.renewer.add(self, self._state, on_lost)
+
+    def _lose(self) -> None:
+        # Once lost, stays lost: an extend that lands late (after its renewal
+        # gave up waiting) must not make the caller trust the lease again.
+        self._state.lose()
+        if self._renewal is not None:
+            self._keeper.renewer.drop(self._renewal)
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
+        failing = exc is not None
+        released_before = self._state.released
+        try:
+            ended = await self.release()
+        except Exception:
+            if not failing:
+                raise
+            release_log.exception("could not release %r after an error in the with-block", self.name)
+            return
+        lost = self._lost_in_block(ended, released_before, failing)
+        if lost is not None:
+            raise lost
+
+    def __repr__(self) -> str:
+        return f"<AsyncLease {self.name!r} token={self.token} {self._status()}>"
+
+
+__all__ = ["AsyncLease", "AsyncOnLost"]

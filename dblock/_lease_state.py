@@ -1,0 +1,132 @@
+"""What both faces' leases share: the row ``leases()`` lists, a lease's changing state, and its read-only view."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from . import metrics
+from ._core import trusted_until
+from .errors import LeaseLost
+
+
+class LeaseInfo(NamedTuple):
+    """One row of ``Locker.leases()``; ``remaining`` is computed by the database clock.
+
+    ``label`` says who holds the lease ("host:pid command", or the Locker's
+    ``label``); None for a grant made before dblock recorded labels.
+    ``shared`` marks a reader's or semaphore holder's lease (several may
+    hold the name at once), ``limit`` the semaphore limit it was granted under.
+    """
+
+    name: str
+    owner: str
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    remaining: float
+    label: str | None = None
+    shared: bool = False  # a read lock's or semaphore's lease (False: the exclusive, write lock's)
+    limit: int | None = None  # a semaphore holder's limit (None: a reader, or an exclusive lease)
+
+
+class LeaseState:
+    """What changes in a lease over its life (internal, not API).
+
+    Kept apart from the Lease so that the Locker's renewal can read and update
+    it while holding the Lease itself only by weak reference; it refers to no
+    Lease. Only the Lease and its renewal change it.
+    """
+
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until")
+
+    def __init__(
+        self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
+    ) -> None:
+        self.expires_at = expires_at  # database time, timezone-aware
+        self.ttl = ttl
+        # G5: trusted until (when the acquire was *sent*) + ttl on this
+        # process's monotonic clock, never past the database's expiry.
+        self.trusted_until = trusted_until
+        self.released = False
+        # A threading.Event; an AsyncLease passes an asyncio.Event.
+        self.lost: Any = threading.Event() if lost is None else lost
+        self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
+        self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
+
+    def lose(self) -> None:
+        """The holder learned that the lease is gone without its release."""
+        self.lost.set()
+        self.hold.end(lost=True)
+
+    def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
+        """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
+        self.expires_at = expires_at
+        self.ttl = ttl
+        self.trusted_until = trusted_until(sent_at, ttl)
+
+    def ended(self) -> bool:
+        """Released or lost: nothing left to trust or renew."""
+        return self.released or self.lost.is_set()
+
+
+class LeaseView:
+    """What both faces' leases (``Lease``, ``aio.AsyncLease``) read from their ``LeaseState``.
+
+    A base of no state of its own (its subclasses define ``_state``,
+    ``_min_hold``, ``name`` and ``token``), so the read-only properties,
+    ``remaining()``, the repr and the with-block's verdict are written once.
+    """
+
+    __slots__ = ()
+    _state: LeaseState
+    _min_hold: float
+    name: str
+    token: int
+
+    @property
+    def expires_at(self) -> datetime:
+        """The lease's expiry by the database clock (timezone-aware), as of its grant or last extend."""
+        return self._state.expires_at
+
+    @property
+    def ttl(self) -> float:
+        """The lease's time to live, in seconds, as of its grant or last extend."""
+        return self._state.ttl
+
+    @property
+    def min_hold(self) -> float:
+        """Seconds after the grant before which ``release`` keeps the lease (0: it ends at release)."""
+        return self._min_hold
+
+    @property
+    def held_until(self) -> datetime | None:
+        """After a ``release`` that kept the lease for its ``min_hold``: when it ends, by the
+        database clock (timezone-aware). None before, and after a release that ended it."""
+        return self._state.held_until
+
+    def remaining(self) -> float:
+        """Seconds this client may still rely on the lease (0 once released, lost or run out)."""
+        if self._state.ended():
+            return 0.0
+        return max(0.0, self._state.trusted_until - time.monotonic())
+
+    def _lost_in_block(self, ended: bool, released_before: bool, failing: bool) -> LeaseLost | None:
+        """The with-block's verdict after its release: LeaseLost if the lease was lost before the
+        block ended (not when the block is failing anyway, or released the lease itself)."""
+        if ended or released_before or failing:
+            return None
+        return LeaseLost(
+            f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
+            "another owner may have acquired it"
+        )
+
+    def _status(self) -> str:
+        if self._state.released:
+            held = self._state.held_until
+            return "released" if held is None else f"released, held until {held.isoformat()}"
+        if self._state.lost.is_set():
+            return "lost"
+        return f"remaining={self.remaining():.3f}s"
