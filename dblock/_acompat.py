@@ -52,6 +52,8 @@ def AMutex() -> AbstractContextManager[None]:  # noqa: N802 - a pair with thread
 
 
 Mutex = threading.Lock
+ALock = asyncio.Lock  # held across awaits (the schema's migration), unlike AMutex
+Lock = threading.Lock
 
 
 class Cut(Protocol):
@@ -135,6 +137,11 @@ async def astop(worker: Worker | None, timeout: float) -> None:
             pass
 
 
+async def ato_thread(call: Callable[..., T], *args: Any) -> T:
+    """Run a blocking ``call(*args)`` (Alembic's migrations) on a worker thread; the loop goes on."""
+    return await asyncio.to_thread(call, *args)
+
+
 def running(worker: Worker | None) -> bool:
     """Whether a background worker (a task or a thread) is still at work."""
     if isinstance(worker, asyncio.Task):
@@ -157,6 +164,10 @@ def event_wait(event: threading.Event, timeout: float | None) -> bool:
 def join(worker: Worker | None, timeout: float) -> None:
     if isinstance(worker, threading.Thread) and worker is not threading.current_thread():
         worker.join(timeout=timeout)
+
+
+def to_thread(call: Callable[..., T], *args: Any) -> T:
+    return call(*args)
 
 
 def stop(worker: Worker | None, timeout: float) -> None:

@@ -254,7 +254,7 @@ def test_a_timeout_with_no_wake_up_leaves_nothing_behind(db: Db, options: dict[s
     assert time.monotonic() - started >= 0.3  # it did wait the whole timeout
     if db.backend == "postgresql":
         assert queue(db, "t") == []
-    assert len(waiter._hot) == 0
+    assert len(waiter._acquirer.hot) == 0
     assert waiter._listener is None or waiter._listener.waiting() == 0
     assert held.release() is True
     assert waiter.try_acquire("t") is not None  # nobody was handed it
@@ -438,7 +438,7 @@ def test_waiting_on_many_names_keeps_no_state(db: Db, options: dict[str, bool]) 
                 waiter.acquire(name, timeout=0.01)
             held.release()
         waiter.acquire(name, timeout=5).release()
-    assert len(waiter._hot) == 0
+    assert len(waiter._acquirer.hot) == 0
     assert waiter._listener is None or waiter._listener.waiting() == 0
 
 

@@ -37,6 +37,7 @@ SOURCES = [
     ("dblock/_aacquire.py", "dblock/_acquire.py"),
     ("dblock/_akeeper.py", "dblock/_keeper.py"),
     ("dblock/_alease.py", "dblock/_lease.py"),
+    ("dblock/_alocker.py", "dblock/_locker.py"),
 ]
 
 RENAMES = {
@@ -77,6 +78,12 @@ RENAMES = {
     "AsyncLease": "Lease",
     "AsyncOnLost": "OnLost",
     "_arenew": "renew",
+    "AsyncRenewer": "Renewer",
+    "_alocker": "_locker",
+    "AsyncShared": "Shared",
+    "_AsyncLockContext": "_LockContext",
+    "ALock": "Lock",
+    "ato_thread": "to_thread",
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
@@ -119,9 +126,15 @@ def _drop_async_blocks(text: str) -> str:
             continue
         indent = len(match.group("indent"))
         end = _block_end(lines, i + 1, indent)
-        if end < len(lines) and lines[end] == " " * indent + "else:\n":
-            body_end = _block_end(lines, end + 1, indent)
-            out.extend(line[4:] if line.strip() else line for line in lines[end + 1 : body_end])
+        after = end
+        while after < len(lines) and lines[after] == "\n":
+            after += 1  # blank lines between the block and its else
+        if after < len(lines) and lines[after] == " " * indent + "else:\n":
+            body_end = _block_end(lines, after + 1, indent)
+            body = lines[after + 1 : body_end]
+            while body and body[0] == "\n":
+                body = body[1:]  # the else body's own leading blank line
+            out.extend(line[4:] if line.strip() else line for line in body)
             end = body_end
         # A dropped block leaves one blank line where it stood, not two.
         if out and out[-1] == "\n" and end < len(lines) and lines[end] == "\n":

@@ -1,0 +1,657 @@
+"""The Locker: the app-wide factory of leases on one database, its constructor and public verbs.
+
+Written once for both faces (``tools/async_to_sync.py`` writes ``_locker.py``,
+whose ``Locker`` is ``dblock.Locker``, from this module's ``AsyncLocker``).
+The work is done in rooms of its own: the backend (``dblock.backends``), the
+connection pool (``_adriver``), the one-round-trip verbs (``_averbs``),
+acquiring and waiting (``_aacquire``), the listener, heartbeat and local line
+(``_await``), the lease and its keeper (``_alease``, ``_akeeper``), renewal
+(``_arenew``) and background clean-up (``_acleanup``). Here: validation of
+every argument before any SQL runs, and wiring.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
+
+from sqlalchemy.engine import URL, Engine
+
+from . import _core as core
+from . import backends, metrics
+from ._aacquire import AsyncAcquirer, Try
+from ._acleanup import AsyncCleanup
+from ._acompat import ALock, ato_thread
+from ._adriver import AsyncDriver
+from ._akeeper import AsyncKeeper
+from ._alease import AsyncLease, AsyncOnLost
+from ._arenew import AsyncRenewer
+from ._averbs import AsyncVerbs
+from ._await import AsyncHeartbeat, AsyncListener
+from ._core import Granted
+from ._defaults import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
+from ._engine import engine_for
+from ._lease_state import LeaseInfo
+from ._process import default_label, queue_id
+from ._redact import display_url
+from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
+from .schema import DEFAULT_TABLE
+
+if True:  # ASYNC
+    import asyncio
+    from datetime import datetime
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+release_log = logging.getLogger("dblock.release")
+
+
+class Attempt(NamedTuple):
+    """One acquire attempt: the lease it got, or None and the seconds until the holder's lease ends."""
+
+    lease: AsyncLease | None
+    wait: float | None
+
+
+class AsyncLocker:
+    """Hands out leases on named locks stored in one database.
+
+    ``url`` is a SQLAlchemy URL (``postgresql+psycopg://...``, ``sqlite:///file``),
+    an existing ``Engine``, or None for the embedded default: a per-user SQLite
+    file (see ``dblock.schema.default_sqlite_path``) whose table dblock creates
+    on first use. Make one per database (and, on asyncio, per event loop) and
+    share it. A psycopg2 or asyncpg URL or engine (also an ``AsyncEngine``)
+    works too: dblock opens its own psycopg 3 connections from its URL, and
+    ``engine`` is then a psycopg 3 engine dblock made (disposed of on close).
+
+    ``label`` is written next to each lease it grants so that an operator can
+    tell who holds it (``dblock status``); by default ``"host:pid command line"``
+    of this process.
+
+    Waiting (``acquire``, ``lock``), see the README's "Waiting": on PostgreSQL
+    with ``fair=True`` waiters queue (one row each, migration 0005), first come first
+    served, and a release hands the lease to the first live waiter in the same
+    statement; with ``notify=True`` that waiter is woken by NOTIFY through one
+    listener connection per Locker, otherwise it polls. ``fair=False`` (and
+    SQLite) waits by polling with backoff, never past the current lease's
+    known expiry, and waiters of this process for one name queue locally so
+    only the first of them polls.
+
+    ``prepare=False`` sends every statement unprepared: needed behind a
+    transaction pooler (PgBouncer with ``pool_mode = transaction``), where a
+    server-side prepared statement can be run by another client's session.
+    Use ``notify=False`` there too (LISTEN needs a session of its own).
+
+    Time and connections are bounded (see the README's "Failures and limits"):
+    every call but a waiting ``acquire`` returns or raises within
+    ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
+    within its ``timeout`` plus ``GRACE``, riding out outages shorter than
+    that; and it opens at most ``max_connections`` connections for its
+    statements, plus one listener connection while waiters wait (1,000
+    waiting tasks or threads hold no connection each).
+    """
+
+    def __init__(
+        self,
+        url: str | URL | Engine | AsyncEngine | None = None,
+        *,
+        table: str = DEFAULT_TABLE,
+        schema: str | None = None,
+        ttl: float = DEFAULT_TTL,
+        timeout: float = math.inf,
+        poll_min: float = 0.01,
+        poll_max: float = 0.5,
+        label: str | None = None,
+        fair: bool = True,
+        notify: bool = True,
+        prepare: bool = True,
+        op_timeout: float = DEFAULT_OP_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
+        opts = check_options(
+            url is None, table, schema, label, ttl, timeout, poll_min, poll_max, fair, notify, prepare, op_timeout,
+            max_connections,
+        )
+        self.table, self.schema, self.label = opts.table, opts.schema, opts.label
+        self.ttl, self.timeout, self.op_timeout = opts.ttl, opts.timeout, opts.op_timeout
+        self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
+        # A sync engine of the database: its URL and dialect, and create_schema's migrations.
+        self.engine, self._needs_migration, self._own_engine = engine_for(url)
+        where = display_url(self.engine.url)  # for repr and messages: no password, whatever its form
+        # The database's statements, decoders, connections and abilities (``dblock.backends``).
+        self.backend = backends.of(self.engine)(self.engine, self.table, self.schema, where, prepare=prepare)
+        self._driver = AsyncDriver(self.backend, size=max_connections)
+        self._queued = fair and self.backend.caps.fair_queue  # waiters queue (a table of their own)
+        notified = self._queued and notify and self.backend.caps.notify
+        self._listener = AsyncListener(self._driver.connect, self.backend) if notified else None
+        self._cleanup = AsyncCleanup()
+        self._proc = queue_id()
+        self._default_label = default_label()
+        self._migrated = ALock()
+        # The fair queue's liveness: one heartbeat per Locker process, whatever the number of waiters.
+        # A waiter is skipped once its process's row is older than lapse: 4 beats missed, and a second.
+        self._lapse = core.lapse(self.poll_max)
+        # The one-round-trip verbs (binds built once), and acquiring and waiting.
+        self._verbs = AsyncVerbs(
+            self.backend, self._driver, op_timeout=self.op_timeout, label=self._label, proc=self._proc.get,
+            lapse=self._lapse,
+        )
+        self._heartbeat = AsyncHeartbeat(self._verbs.beat, self.poll_max) if self._queued else None
+        self._acquirer = AsyncAcquirer(
+            self._verbs, self._cleanup, queued=self._queued, listener=self._listener, heartbeat=self._heartbeat,
+            poll_min=self.poll_min, poll_max=self.poll_max,
+        )
+        # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
+        self.keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
+        self.shared_keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
+        # Renewal: the extends that fall due together go out in batches, on at most size - 1 connections.
+        workers = max(1, min(4, max_connections - 1))
+        if True:  # ASYNC
+            self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, on_lost
+            # One renewal task for both kinds of lease.
+            self.keeper.renewer = self.shared_keeper.renewer = AsyncRenewer(
+                self._extend_many, self.op_timeout, workers, self._spawn
+            )
+        else:
+            # One renewal thread for each kind of lease.
+            self.keeper.renewer = AsyncRenewer(self.keeper.extend_many, self.op_timeout, workers)
+            self.shared_keeper.renewer = AsyncRenewer(
+                self.shared_keeper.extend_many, self.op_timeout, max(1, min(2, max_connections - 1))
+            )
+        self._renewer = self.keeper.renewer
+        self._closed = False
+
+    # -- schema ------------------------------------------------------------
+    async def create_schema(self) -> None:
+        """Create or upgrade dblock's tables with its migrations (idempotent).
+
+        Tables already current (made by dblock's history or the app's own) are
+        left unchanged, needing no privilege beyond reading. Database trouble
+        raises ``PermissionDenied``, ``DatabaseUnavailable`` or ``DBLockError``.
+        Alembic is synchronous: on asyncio the migration runs on a worker thread.
+        """
+        await ato_thread(make_schema, self.engine, self.table, self.schema)
+
+    async def _ensure_schema(self) -> None:
+        if self._needs_migration:
+            async with self._migrated:
+                if self._needs_migration:
+                    await self.create_schema()
+                    self._needs_migration = False
+
+    # -- acquiring ---------------------------------------------------------
+    async def try_acquire(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+    ) -> AsyncLease | None:
+        """One attempt: a lease, or None if another owner holds ``name``.
+
+        ``renew=True`` keeps extending the lease until it is released (see
+        ``start_renewal``); ``on_lost(lease)`` runs if renewal loses it.
+        ``min_hold`` (seconds, may exceed the ttl): a release sooner than that
+        after the grant, by the database clock, keeps the lease until then
+        instead of ending it (see the lease's ``release``), so that a job
+        started on several machines runs once however far apart their clocks
+        start it.
+        """
+        check_name(name)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold))
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def acquire(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+    ) -> AsyncLease:
+        """Wait up to ``timeout`` seconds (default: the Locker's, for ever) for ``name``.
+
+        Raises LockNotAcquired when the time runs out. Between attempts it sleeps
+        a jittered backoff in [d, 2d), d doubling from poll_min to poll_max, and
+        never past the moment the current lease is known to end. ``renew``,
+        ``on_lost`` and ``min_hold`` as in ``try_acquire``. On asyncio,
+        cancelling the task leaves the queue, and releases a lease that was
+        granted in the meantime, before ``CancelledError`` propagates.
+        """
+        check_name(name)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, timeout))
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def _measured(self, name: str, acquire: Callable[[], Any]) -> Any:
+        """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
+        started = time.monotonic()
+        try:
+            lease = await acquire()
+        except BaseException as exc:
+            metrics.recorder.waited(self.backend.name, name, started, exc)
+            raise
+        metrics.recorder.waited(self.backend.name, name, started, lease)
+        return lease
+
+    async def _acquire(
+        self, name: str, ttl: float, hold: float, timeout: float, limit: int | None | bool = False
+    ) -> AsyncLease:
+        """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
+        await self._ensure_schema()
+        acquirer = self._acquirer
+        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0)
+        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        return self._lease(name, attempt, ttl, granted)
+
+    async def _try(self, name: str, ttl: float, hold: float, limit: int | None | bool = False) -> AsyncLease | None:
+        """One attempt: a lease, or None if ``name`` is held (``limit`` as in ``_acquire``)."""
+        await self._ensure_schema()
+        acquirer = self._acquirer
+        attempt = acquirer.new_try(hold, limit)
+        deadline = self._deadline()
+        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
+        return None if granted is None else self._lease(name, attempt, ttl, granted)
+
+    def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted) -> AsyncLease:
+        keeper = self.shared_keeper if core.shared_kind(attempt.limit) else self.keeper
+        return AsyncLease(
+            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold, keeper
+        )
+
+    async def _attempt(self, name: str, owner: str, ttl: float, *, limit: int | None | bool = False) -> Attempt:
+        """One attempt by ``owner`` (tests: a retry after a lost reply, G6)."""
+        await self._ensure_schema()
+        attempt = Try(owner, 0.0, limit)
+        granted, wait = await self._acquirer.attempt(name, attempt, ttl, self._deadline())
+        return Attempt(None if granted is None else self._lease(name, attempt, ttl, granted), wait)
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+    ) -> _AsyncLockContext:
+        """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error);
+        on asyncio the context manager is an asynchronous one.
+
+        With ``renew=True`` the lease is extended while the block runs; check
+        ``lease.lost`` (or pass ``on_lost``) in long blocks. With ``min_hold``
+        the exit keeps the lease until that long after its grant (see ``try_acquire``).
+        """
+        check_name(name)
+        check_renew(renew, on_lost)
+        return _AsyncLockContext(
+            self,
+            name,
+            None if ttl is None else check_ttl(ttl),
+            None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
+            check_min_hold(min_hold),
+        )
+
+    if True:  # ASYNC
+
+        def locked(
+            self,
+            name: str,
+            *,
+            ttl: float | None = None,
+            timeout: float | None = None,
+            renew: bool = False,
+            on_lost: AsyncOnLost | None = None,
+            min_hold: float | None = None,
+        ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+            """``@locker.locked("report-{customer_id}", ttl=60)`` on a coroutine function: each call
+            runs holding the lock, as ``Locker.locked`` (name templates, ``dblock.current_lease()``)."""
+            from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
+
+            return locked(
+                self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold  # type: ignore[arg-type]
+            )
+
+    else:
+
+        def locked(
+            self,
+            name: str,
+            *,
+            ttl: float | None = None,
+            timeout: float | None = None,
+            renew: bool = False,
+            on_lost: AsyncOnLost | None = None,
+            min_hold: float | None = None,
+        ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+            """``@locker.locked("report-{customer_id}", ttl=60)``: each call runs holding the lock.
+
+            Works on functions and coroutine functions. ``name`` may name the
+            function's arguments (``str.format`` fields, defaults applied); a field
+            that names no parameter is refused here, when the function is decorated.
+            A call acquires as ``lock`` does, waiting up to ``timeout``, and raises
+            ``LockNotAcquired`` without running the function if the lock stays
+            held (``timeout=0``: at once). Inside, ``dblock.current_lease()`` is
+            the lease (its token fences writes). Coroutine functions acquire and
+            release on a worker thread, so the event loop never waits for the database.
+            ``min_hold`` as in ``try_acquire``: a job run at most once per period.
+            """
+            from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
+
+            return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
+
+    # -- shared leases -----------------------------------------------------
+    def semaphore(self, name: str, limit: int) -> AsyncShared:
+        """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
+
+        The returned object has the Locker's verbs (``try_acquire``,
+        ``acquire``, ``lock``), without the name. Each lease has
+        its own token and the usual release, extend, renewal and ``lost``.
+        Callers that disagree about ``limit`` are held to the smallest: a grant
+        is made only while fewer leases are live than the caller's limit and
+        than every live holder's, so each holder, while it holds, never sees
+        more leases of the name than its own limit. An exclusive lock (a write
+        lock) on ``name`` excludes every semaphore holder, and the other way round.
+        """
+        check_name(name)
+        return AsyncShared(self, name, check_limit(limit))
+
+    def readers(self, name: str) -> AsyncShared:
+        """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
+
+        The write side is the exclusive lock of the same name (``acquire``,
+        ``lock``, or ``write_lock``). On PostgreSQL (``fair=True``) readers
+        and writers wait in one line, first come first served: a writer in
+        line holds off new readers, and a writer's release admits every
+        reader queued behind it at once.
+        """
+        check_name(name)
+        return AsyncShared(self, name, None)
+
+    def read_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
+        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    def write_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
+        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+
+    async def _share_try(
+        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: AsyncOnLost | None
+    ) -> AsyncLease | None:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        lease = await self._try(name, ttl, 0.0, limit)
+        if lease is not None and renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    async def _share_acquire(
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: AsyncOnLost | None,
+    ) -> AsyncLease:
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(renew, on_lost)
+        lease = await self._acquire(name, ttl, 0.0, timeout, limit)
+        if renew:
+            lease.start_renewal(on_lost)
+        return lease
+
+    # -- helpers -----------------------------------------------------------
+    if True:  # ASYNC
+
+        async def _extend_many(
+            self, leases: list[AsyncLease], deadline: float, shared: bool
+        ) -> tuple[float, list[datetime | None]]:
+            """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
+            return await (self.shared_keeper if shared else self.keeper).extend_many(leases, deadline)
+
+        def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
+            task = asyncio.ensure_future(work)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return task
+
+    def _deadline(self) -> float:
+        """The deadline of a one-statement call starting now."""
+        return self._verbs.deadline()
+
+    def _label(self) -> str:
+        return self._default_label.get() if self.label is None else self.label
+
+    # -- operators ---------------------------------------------------------
+    async def leases(self) -> list[LeaseInfo]:
+        """The unexpired leases now, ``remaining`` computed by the database clock."""
+        await self._ensure_schema()
+        return await self._verbs.leases()
+
+    async def waiters(self) -> dict[str, int]:
+        """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
+
+        Counts live waiters of every Locker on this table, in any process. Empty
+        on SQLite, which has no queue (its waiters poll and leave no trace).
+        """
+        if not self.backend.caps.fair_queue:
+            return {}
+        await self._ensure_schema()
+        return await self._verbs.waiters()
+
+    async def force_release(self, lease: LeaseInfo) -> bool:
+        """End someone else's lease, as an operator: ``lease`` is a row of ``leases()``.
+
+        Compares (name, owner, token) like a lease's ``release``, so it ends exactly
+        the lease you looked at: False if that one already ended or was replaced.
+        Its holder finds out at its next extend (``LeaseLost``, or ``lease.lost``
+        with renewal); until then it may still be working, so fence your writes.
+        """
+        if not isinstance(lease, LeaseInfo):
+            raise TypeError(f"force_release takes a LeaseInfo from leases(), not {type(lease).__name__}")
+        check_name(lease.name)
+        await self._ensure_schema()
+        key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
+        ended = (await self._verbs.end(key, self._deadline(), shared=lease.shared)).ended
+        if ended:
+            release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
+        return ended
+
+    async def prune(self, older_than: float) -> int:
+        """Delete rows of names nobody held for ``older_than`` seconds; returns how many.
+
+        Tokens keep growing for a name that is used again after a prune (G2).
+        """
+        age = check_ttl(older_than)
+        await self._ensure_schema()
+        return await self._verbs.prune(age)
+
+    def open_connections(self) -> int:
+        """How many of its statement connections are open now (not the listener's)."""
+        return self._driver.open_connections()
+
+    async def aclose(self) -> None:
+        """Close dblock's own connections; stop renewals (leases stay granted until released or expired).
+
+        Background clean-up still running (ending a lease a call could not
+        confirm, or a cancelled call may have been granted) gets ``op_timeout``
+        to finish first.
+        """
+        await self._cleanup.close(self.op_timeout)
+        if True:  # ASYNC
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=self.op_timeout)
+            self._renewer.close()
+        if self._listener is not None:
+            await self._listener.close()
+        if self._heartbeat is not None:
+            await self._heartbeat.close()
+        await self._driver.close()
+        if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
+            self.engine.dispose()
+        self._closed = True
+
+    async def __aenter__(self) -> AsyncLocker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
+
+
+class _AsyncLockContext:
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire")
+
+    def __init__(
+        self,
+        locker: AsyncLocker,
+        name: str,
+        ttl: float | None,
+        timeout: float | None,
+        renew: bool,
+        on_lost: AsyncOnLost | None,
+        hold: float = 0.0,
+        acquire: Callable[..., Any] | None = None,
+    ) -> None:
+        self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
+        self._renew, self._on_lost, self._hold = renew, on_lost, hold
+        self._lease: AsyncLease | None = None
+        self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
+
+    async def __aenter__(self) -> AsyncLease:
+        if self._acquire is not None:
+            self._lease = await self._acquire(
+                ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
+            )
+        else:
+            self._lease = await self._locker.acquire(
+                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
+                min_hold=self._hold,
+            )
+        return self._lease
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.__aexit__(exc_type, exc, tb)
+
+
+class AsyncShared:
+    """Shared leases of one name: at most ``limit`` at once (None: a read lock's readers, no limit).
+
+    Every lease it grants excludes the exclusive (write) lock of the same name,
+    and has a token of its own, larger than every earlier grant of the name.
+    """
+
+    __slots__ = ("locker", "name", "limit")
+
+    def __init__(self, locker: AsyncLocker, name: str, limit: int | None) -> None:
+        self.locker, self.name, self.limit = locker, name, limit
+
+    async def try_acquire(
+        self, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
+    ) -> AsyncLease | None:
+        """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
+        locker = self.locker
+        lease: AsyncLease | None = await locker._measured(
+            self.name, lambda: locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+        )
+        return lease
+
+    async def acquire(
+        self,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> AsyncLease:
+        """Wait up to ``timeout`` seconds; LockNotAcquired after.
+
+        On PostgreSQL with ``fair=True`` it waits in the name's fair queue, in
+        one line with writers, and a release hands it the lease; otherwise it
+        polls with backoff, never past a known expiry. On asyncio, cancelling
+        the task leaves the queue and releases a lease granted meanwhile.
+        """
+        locker = self.locker
+        lease: AsyncLease = await locker._measured(
+            self.name, lambda: locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        )
+        return lease
+
+    def lock(
+        self,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+    ) -> _AsyncLockContext:
+        """``with sem.lock() as lease:`` acquires, and releases on exit (also on error; asynchronous on asyncio)."""
+        check_renew(renew, on_lost)
+        return _AsyncLockContext(
+            self.locker,
+            self.name,
+            None if ttl is None else check_ttl(ttl),
+            None if timeout is None else check_timeout(timeout),
+            renew,
+            on_lost,
+            0.0,
+            acquire=self.acquire,
+        )
+
+    def __repr__(self) -> str:
+        kind = "readers" if self.limit is None else f"semaphore limit={self.limit}"
+        return f"<AsyncShared {self.name!r} {kind}>"
+
+
+__all__ = ["Attempt", "AsyncLocker", "AsyncShared"]

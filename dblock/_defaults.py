@@ -1,0 +1,20 @@
+"""What both faces' Lockers share that is no logic of their own: the defaults, and making the schema."""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import Engine
+
+from . import backends
+
+DEFAULT_TTL = 30.0
+DEFAULT_OP_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 10
+
+
+def make_schema(engine: Engine, table: str, schema: str | None) -> None:
+    """``create_schema`` of both faces: dblock's migrations, and what the database needs first (WAL on SQLite)."""
+    from . import migrate  # noqa: PLC0415 - Alembic loads only when the schema is made, not on every start
+
+    with migrate.database_errors(engine, table):
+        backends.of(engine).prepare_database(engine)
+        migrate.upgrade(engine, table, schema)
