@@ -347,7 +347,7 @@ class Locker:
         lock) on ``name`` excludes every semaphore holder, and the other way round.
         """
         check_name(name)
-        return Shared(self, name, check_limit(limit))
+        return Shared(self, name, check_limit(limit), self._measured, self._share_try, self._share_acquire)
 
     def readers(self, name: str) -> Shared:
         """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
@@ -359,7 +359,7 @@ class Locker:
         reader queued behind it at once.
         """
         check_name(name)
-        return Shared(self, name, None)
+        return Shared(self, name, None, self._measured, self._share_try, self._share_acquire)
 
     def read_lock(
         self,
@@ -542,18 +542,28 @@ class Shared:
     and has a token of its own, larger than every earlier grant of the name.
     """
 
-    __slots__ = ("locker", "name", "limit")
+    __slots__ = ("locker", "name", "limit", "_measured", "_try", "_acquire")
 
-    def __init__(self, locker: Locker, name: str, limit: int | None) -> None:
+    def __init__(
+        self,
+        locker: Locker,
+        name: str,
+        limit: int | None,
+        measured: Callable[..., Any],
+        try_: Callable[..., Any],
+        acquire: Callable[..., Any],
+    ) -> None:
         self.locker, self.name, self.limit = locker, name, limit
+        # The Locker's own steps, handed over once (its metrics, one attempt, a wait), so that
+        # this view of one name needs none of the Locker's private names.
+        self._measured, self._try, self._acquire = measured, try_, acquire
 
     def try_acquire(
         self, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None
     ) -> Lease | None:
         """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
-        locker = self.locker
-        lease: Lease | None = locker._measured(
-            self.name, lambda: locker._share_try(self.name, self.limit, ttl, renew, on_lost)
+        lease: Lease | None = self._measured(
+            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost)
         )
         return lease
 
@@ -572,9 +582,8 @@ class Shared:
         polls with backoff, never past a known expiry. On asyncio, cancelling
         the task leaves the queue and releases a lease granted meanwhile.
         """
-        locker = self.locker
-        lease: Lease = locker._measured(
-            self.name, lambda: locker._share_acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+        lease: Lease = self._measured(
+            self.name, lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
         )
         return lease
 

@@ -146,3 +146,161 @@ def test_the_rule_catches_what_it_is_for() -> None:
         "._slot (defined in lease)",
         "imports _helper from lease",
     ]
+
+
+# -- classes ------------------------------------------------------------------------------
+# Within one module, too, no class reaches into another class's private names: ``x._name``
+# in a class body, where ``x`` is not ``self`` or ``cls``, must name something that class
+# defines itself (an attribute it assigns on self/cls, a method, a name in its body). A
+# class that needs another's step is handed it (a bound method, or a small public method).
+def class_violations(modules: dict[str, ast.Module]) -> list[str]:
+    found = []
+    for module, tree in modules.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            own: set[str] = set()
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                        own.add(node.attr)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    own.add(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    own.add(node.id)
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                    if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                        found.append(f"dblock/{module}.py:{node.lineno}: {cls.name} reaches .{node.attr}")
+    return found
+
+
+def test_no_class_reaches_into_another_classs_private_names() -> None:
+    modules = _modules()
+    allowed = {m for m in modules if m.startswith("contrib/django")}  # Django's documented _meta and friends
+    assert [v for v in class_violations(modules) if v.split(".py:")[0][len("dblock/"):] not in allowed] == []
+
+
+def test_the_class_rule_catches_what_it_is_for() -> None:
+    tree = ast.parse(
+        "class Locker:\n"
+        "    def __init__(self):\n"
+        "        self._driver = 1\n"
+        "    def _measured(self): pass\n"
+        "class Shared:\n"
+        "    def __init__(self, locker):\n"
+        "        self.locker = locker\n"
+        "        self._own = locker.open\n"
+        "    def go(self):\n"
+        "        self.locker._measured()\n"
+        "        self.locker._driver\n"
+        "        self._own\n"
+    )
+    assert sorted(v.split(": ", 1)[1] for v in class_violations({"locker": tree})) == [
+        "Shared reaches ._driver",
+        "Shared reaches ._measured",
+    ]
+
+
+# -- import circles -------------------------------------------------------------------------
+def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Which of the package's modules each imports when it is loaded (module level, ``if``
+    blocks included; imports for type checking only, or inside a function, are not loaded)."""
+    graph: dict[str, set[str]] = {}
+    for module, tree in modules.items():
+        package = module.split("/")[:-1]
+        deps: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for stmt in node.body if isinstance(node, ast.If) else [node]:
+                if not isinstance(stmt, ast.ImportFrom) or not _dblock_module(stmt):
+                    continue
+                if stmt.level:  # from .x import y, from .. import z
+                    parts = package[: len(package) - stmt.level + 1] + (stmt.module or "").split(".")
+                else:  # from dblock.x import y
+                    parts = (stmt.module or "").split(".")[1:]
+                target = "/".join(p for p in parts if p)
+                for alias in stmt.names:
+                    module_of = f"{target}/{alias.name}".lstrip("/")  # the name is a module, or a package
+                    for candidate in (module_of, f"{module_of}/__init__", target, f"{target}/__init__".lstrip("/")):
+                        if candidate in modules:
+                            deps.add(candidate)
+                            break
+        graph[module] = deps - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                found.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_no_module_imports_in_a_circle() -> None:
+    assert circles(import_graph(_modules())) == []
+
+
+def test_the_circle_rule_catches_what_it_is_for() -> None:
+    modules = {
+        "a": ast.parse("from .b import x\n"),
+        "b": ast.parse("from . import c\n"),
+        "c": ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\nfrom .a import z\n"),
+        "d": ast.parse("def f():\n    from .a import x\n"),
+    }
+    assert circles(import_graph(modules)) == [["a", "b", "c", "a"]]
+
+
+# -- migrations ------------------------------------------------------------------------------
+MIGRATIONS = PACKAGE.parent / "migrations"
+# Frozen history: 0006, 0008 and 0009 read an earlier migration's function text (and 0008
+# 0006's edits of it) through its module; tests/test_plpgsql_file.py stops any later
+# migration from doing so.
+FROZEN = {
+    ("versions/0006_enqueue_fixes", "_functions"),
+    ("versions/0008_shared_queue", "_enqueue"),
+    ("versions/0008_shared_queue", "_EDITS"),
+    ("versions/0009_walk_by_index", "_functions"),
+}
+
+
+def migration_violations() -> tuple[list[str], set[tuple[str, str]]]:
+    """Private names a migration reaches in another module, or imports from dblock; and which
+    FROZEN entries were met."""
+    found, met = [], set()
+    for path in sorted(MIGRATIONS.rglob("*.py")):
+        name = path.relative_to(MIGRATIONS).with_suffix("").as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        own = _defines(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                if (name, node.attr) in FROZEN:
+                    met.add((name, node.attr))
+                else:
+                    found.append(f"migrations/{name}.py:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and _dblock_module(node):
+                private_module = any(_private(part) for part in (node.module or "").split("."))
+                for alias in node.names:
+                    if private_module or _private(alias.name):
+                        found.append(f"migrations/{name}.py:{node.lineno}: imports {alias.name} from {node.module}")
+    return found, met
+
+
+def test_migrations_use_only_dblocks_public_names() -> None:
+    found, met = migration_violations()
+    assert found == []
+    assert met == FROZEN  # an entry no longer needed goes
