@@ -38,6 +38,8 @@ SOURCES = [
     ("dblock/_akeeper.py", "dblock/_keeper.py"),
     ("dblock/_alease.py", "dblock/_lease.py"),
     ("dblock/_alocker.py", "dblock/_locker.py"),
+    # What both faces promise, tested once.
+    ("tests/test_faces_async.py", "tests/test_faces.py"),
 ]
 
 RENAMES = {

@@ -1,0 +1,215 @@
+"""What both faces promise, written once: this asyncio module is the source and
+``tests/test_faces.py``, the same cases on the sync face, is generated from it
+(``python tools/async_to_sync.py``), as the library's sync modules are.
+
+Each case runs on PostgreSQL and SQLite (the ``db`` fixture). Face-only cases
+(threads, forks, signals, cancellation) stay in the face's own files.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+from dblock import DBLockError, LeaseLost, LockNotAcquired
+from dblock._acompat import asleep
+from dblock import AsyncLocker
+
+from .conftest import Db
+
+if True:  # ASYNC
+    pytestmark = pytest.mark.asyncio
+
+
+def make(db: Db, **options: Any) -> AsyncLocker:
+    options.setdefault("table", db.table)
+    return AsyncLocker(db.url, **options)
+
+
+def held(db: Db) -> list[tuple[Any, ...]]:
+    """(name, token) of each exclusive lease the table shows held, by the database."""
+    return db.query(f"SELECT name, token FROM {db.table} WHERE owner IS NOT NULL ORDER BY name")
+
+
+async def test_one_holder_and_tokens_grow_across_release(db: Db) -> None:
+    async with make(db) as locker:
+        first = await locker.try_acquire("job", ttl=30)
+        assert first is not None
+        assert await locker.try_acquire("job", ttl=30) is None  # held by another owner (G1)
+        assert held(db) == [("job", first.token)]
+        assert await first.release() is True
+        assert await first.release() is False  # already released: nothing ended twice
+        second = await locker.try_acquire("job", ttl=30)
+        assert second is not None and second.token > first.token  # G2
+        await second.release()
+        assert held(db) == []
+
+
+async def test_extend_never_shortens_and_a_takeover_is_told(db: Db) -> None:
+    async with make(db) as locker:
+        lease = await locker.try_acquire("ext", ttl=60)
+        assert lease is not None
+        before = lease.expires_at
+        await lease.extend(1)  # a shorter ttl: the later expiry stays
+        assert lease.expires_at >= before
+        (info,) = await locker.leases()
+        assert await locker.force_release(info) is True
+        with pytest.raises(LeaseLost):
+            await lease.extend(30)
+        assert lease.lost.is_set() and lease.remaining() == 0.0
+        assert await lease.release() is False  # someone else ended it (G3)
+
+
+async def test_a_waiting_acquire_gets_an_expired_lease_with_a_larger_token(db: Db) -> None:
+    async with make(db) as holder, make(db) as waiter:
+        first = await holder.try_acquire("exp", ttl=0.3)  # never released: it runs out
+        assert first is not None
+        second = await waiter.acquire("exp", ttl=30, timeout=30)
+        assert second.token > first.token
+        assert await first.release() is False  # taken over after its expiry
+        await second.release()
+
+
+async def test_a_wait_that_runs_out_raises_and_leaves_nothing(db: Db) -> None:
+    async with make(db) as holder, make(db) as waiter:
+        lease = await holder.try_acquire("busy", ttl=60)
+        assert lease is not None
+        with pytest.raises(LockNotAcquired) as caught:
+            await waiter.acquire("busy", timeout=0.2)
+        assert caught.value.name == "busy"
+        assert pickle.loads(pickle.dumps(caught.value)).name == "busy"
+        assert await waiter.waiters() == {}  # out of the fair queue too
+        assert held(db) == [("busy", lease.token)]
+        await lease.release()
+
+
+async def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:
+    async with make(db) as locker:
+        async with locker.lock("blk", ttl=30) as lease:
+            assert held(db) == [("blk", lease.token)]
+        assert held(db) == []
+        with pytest.raises(RuntimeError):
+            async with locker.lock("blk", ttl=30):
+                raise RuntimeError("the work failed")
+        assert held(db) == []
+
+
+async def test_a_lease_lost_inside_the_block_is_reported_at_its_end(db: Db) -> None:
+    async with make(db) as locker:
+        with pytest.raises(LeaseLost):
+            async with locker.lock("lost", ttl=30):
+                (info,) = await locker.leases()
+                await locker.force_release(info)
+        assert held(db) == []
+
+
+async def test_leases_lists_what_is_held_with_its_label(db: Db) -> None:
+    async with make(db, label="worker-7") as locker:
+        lease = await locker.try_acquire("listed", ttl=30)
+        assert lease is not None
+        (info,) = await locker.leases()
+        assert (info.name, info.owner, info.token, info.label) == ("listed", lease.owner, lease.token, "worker-7")
+        assert 0 < info.remaining <= 30.01 and not info.shared
+        await lease.release()
+        assert await locker.leases() == []
+
+
+async def test_prune_forgets_idle_names_and_tokens_still_grow(db: Db) -> None:
+    async with make(db) as locker:
+        first = await locker.try_acquire("old", ttl=30)
+        assert first is not None
+        await first.release()
+        other = await locker.try_acquire("other", ttl=30)  # keeps the largest token's row
+        assert other is not None
+        await asleep(0.05)
+        assert await locker.prune(0.01) == 1
+        again = await locker.try_acquire("old", ttl=30)
+        assert again is not None and again.token > other.token > first.token
+        await again.release()
+        await other.release()
+
+
+async def test_min_hold_keeps_the_lease_after_an_early_release(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.try_acquire("daily", ttl=30, min_hold=60)
+        assert lease is not None
+        assert await lease.release() is True
+        assert lease.held_until is not None
+        assert await lease.release() is False  # kept for its hold: nothing left to end
+        assert await other.try_acquire("daily", ttl=30) is None  # still held for its hold
+
+
+async def test_a_semaphore_admits_its_limit(db: Db) -> None:
+    async with make(db) as locker:
+        sem = locker.semaphore("quota", 2)
+        a = await sem.try_acquire(ttl=30)
+        b = await sem.try_acquire(ttl=30)
+        assert a is not None and b is not None and a.shared and b.shared
+        assert b.token > a.token
+        assert await sem.try_acquire(ttl=30) is None  # full
+        assert await locker.try_acquire("quota", ttl=30) is None  # the writer is held off too
+        await a.release()
+        c = await sem.try_acquire(ttl=30)
+        assert c is not None and c.token > b.token
+        for lease in (b, c):
+            await lease.release()
+
+
+async def test_readers_share_and_hold_off_a_writer(db: Db) -> None:
+    async with make(db) as locker:
+        r1 = await locker.readers("doc").try_acquire(ttl=30)
+        r2 = await locker.readers("doc").try_acquire(ttl=30)
+        assert r1 is not None and r2 is not None
+        assert await locker.try_acquire("doc", ttl=30) is None
+        await r1.release()
+        await r2.release()
+        writer = await locker.try_acquire("doc", ttl=30)
+        assert writer is not None and writer.token > r2.token  # a writer's token fences readers' writes
+        assert await locker.readers("doc").try_acquire(ttl=30) is None
+        await writer.release()
+
+
+async def test_renewal_keeps_a_lease_past_its_ttl(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.try_acquire("renewed", ttl=0.6, renew=True)
+        assert lease is not None
+        await asleep(1.5)
+        assert not lease.lost.is_set() and lease.remaining() > 0
+        assert await other.try_acquire("renewed", ttl=30) is None
+        assert await lease.release() is True
+
+
+async def test_bad_input_is_refused_before_any_statement(db: Db) -> None:
+    async with make(db) as locker:
+        for call in (
+            lambda: locker.try_acquire(""),
+            lambda: locker.try_acquire("x", ttl=0),
+            lambda: locker.acquire("x", timeout=-1),
+            lambda: locker.try_acquire("x", min_hold=-1),
+        ):
+            with pytest.raises((ValueError, TypeError)):
+                await call()
+        with pytest.raises(ValueError):
+            locker.semaphore("x", 0)
+        assert held(db) == [] and locker.open_connections() == 0  # nothing was sent
+
+
+async def test_connections_stay_within_the_budget(db: Db) -> None:
+    async with make(db, max_connections=2) as locker:
+        for _ in range(5):
+            lease = await locker.try_acquire("budget", ttl=30)
+            assert lease is not None
+            await lease.release()
+        assert 1 <= locker.open_connections() <= 2
+    assert locker.open_connections() == 0  # closed
+
+
+async def test_errors_share_one_base(db: Db) -> None:
+    async with make(db) as locker:
+        lease = await locker.try_acquire("base", ttl=30)
+        assert lease is not None
+        with pytest.raises(DBLockError):
+            await locker.acquire("base", timeout=0)
+        await lease.release()
