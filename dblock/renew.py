@@ -33,9 +33,10 @@ import threading
 import time
 import weakref
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import _core as core
+from ._within import Overdue, call_within  # importable here as before
 from .errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -322,38 +323,6 @@ def _call_on_lost(on_lost: OnLost, lease: Lease) -> None:
         on_lost(lease)
     except Exception:  # the callback is the application's; report, don't die silently
         log.exception("on_lost callback for %r raised", lease.name)
-
-
-T = TypeVar("T")
-
-
-class Overdue(Exception):
-    """``call_within``'s call did not finish in time."""
-
-
-def call_within(call: Callable[[], T], timeout: float, name: str) -> T:
-    """``call()`` on a daemon thread: its result or its exception, or Overdue after ``timeout`` s.
-
-    On a timeout the call goes on in the background; its outcome is dropped.
-    """
-    outcome: list[tuple[bool, Any]] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            outcome.append((False, exc))
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    if not done.wait(max(timeout, 0.0)):
-        raise Overdue(f"{name} did not finish within {timeout:.3g} s")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
 
 
 __all__ = ["LeaseLost", "OnLost", "Renewal", "Renewer", "call_within", "Overdue"]
