@@ -146,7 +146,7 @@ class AsyncLocker:
         self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, on_lost
         # One renewal task for all its leases, as the sync face's; its extends leave a connection for releases.
         workers = max(1, min(4, max_connections - 1))
-        self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, workers, self._spawn)
+        self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, workers)
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -472,7 +472,7 @@ class AsyncLocker:
         have been granted) gets ``op_timeout`` to finish first.
         """
         await self._cleanup.close(self.op_timeout)
-        self._renewer.close()
+        await self._renewer.aclose(self.op_timeout)
         for task in self._tasks:
             task.cancel()
         if self._tasks:

@@ -140,12 +140,12 @@ class Locker:
             poll_min=self.poll_min, poll_max=self.poll_max,
         )
         self._hot = self._acquirer.hot
-        # What this Locker's leases call. One renewal thread for all of them;
-        # their extends go out in batches, on at most size - 1 connections.
-        self.keeper = Keeper(self, max(1, min(4, max_connections - 1)))
-        # Shared leases' (read locks, semaphore slots) verbs, with a renewal of their own.
-        self.shared_keeper = SharedKeeper(self, max(1, min(2, max_connections - 1)))
-        self._renewer = self.keeper.renewer
+        # What this Locker's leases call: the exclusive lock's, and shared leases' (read locks, semaphore
+        # slots). One renewal thread for all of them; their extends go out in batches, on at most size - 1
+        # connections.
+        self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
+        self.keeper = Keeper(self, self._renewer)
+        self.shared_keeper = SharedKeeper(self, self._renewer)
         self._migrated = threading.Lock()
 
     # -- schema ------------------------------------------------------------
@@ -411,6 +411,10 @@ class Locker:
         """Release the lease ``key`` (name, owner, token), or keep it for its ``hold`` (``Verbs.end``)."""
         return self._verbs.end(key, deadline, hold, shared=shared)
 
+    def _extend_many(self, leases: list[Lease], deadline: float, shared: bool) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
+        return self._keeper_of(shared).extend_many(leases, deadline)
+
     # -- operators ---------------------------------------------------------
     def leases(self) -> list[LeaseInfo]:
         """The unexpired leases now, ``remaining`` computed by the database clock."""
@@ -587,9 +591,9 @@ class Keeper:
     __slots__ = ("locker", "renewer")
     shared = False  # the exclusive (write) lock's leases; SharedKeeper's are shared
 
-    def __init__(self, locker: Locker, renew_workers: int) -> None:
+    def __init__(self, locker: Locker, renewer: Renewer) -> None:
         self.locker = locker
-        self.renewer = Renewer(self.extend_many, locker.op_timeout, renew_workers)
+        self.renewer = renewer
 
     def release(
         self, name: str, owner: str, token: int, state: LeaseState, hold: float = 0.0, renewal: Renewal | None = None

@@ -35,6 +35,7 @@ SOURCES = [
     ("dblock/_averbs.py", "dblock/_verbs.py"),
     ("dblock/_acleanup.py", "dblock/_cleanup.py"),
     ("dblock/_aacquire.py", "dblock/_acquire.py"),
+    ("dblock/_arenew.py", "dblock/renew.py"),
 ]
 
 RENAMES = {
@@ -69,6 +70,10 @@ RENAMES = {
     "AsyncAcquirer": "Acquirer",
     "_acleanup": "_cleanup",
     "AsyncCleanup": "Cleanup",
+    "_arenew": "renew",
+    "AsyncRenewer": "Renewer",
+    "AsyncLease": "Lease",
+    "AsyncOnLost": "OnLost",
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
