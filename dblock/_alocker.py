@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
 
@@ -39,10 +40,6 @@ from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
 from .schema import DEFAULT_TABLE
-
-if True:  # ASYNC
-    import asyncio
-    from datetime import datetime
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
@@ -151,21 +148,10 @@ class AsyncLocker:
         # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
         self.keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
         self.shared_keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
-        # Renewal: the extends that fall due together go out in batches, on at most size - 1 connections.
-        workers = max(1, min(4, max_connections - 1))
-        if True:  # ASYNC
-            self._tasks: set[asyncio.Task[Any]] = set()  # background work: renewal, on_lost
-            # One renewal task for both kinds of lease.
-            self.keeper.renewer = self.shared_keeper.renewer = AsyncRenewer(
-                self._extend_many, self.op_timeout, workers, self._spawn
-            )
-        else:
-            # One renewal thread for each kind of lease.
-            self.keeper.renewer = AsyncRenewer(self.keeper.extend_many, self.op_timeout, workers)
-            self.shared_keeper.renewer = AsyncRenewer(
-                self.shared_keeper.extend_many, self.op_timeout, max(1, min(2, max_connections - 1))
-            )
-        self._renewer = self.keeper.renewer
+        # Renewal, one for both kinds of lease: the extends that fall due together go out in
+        # batches (each kind in a statement of its own), on at most size - 1 connections.
+        self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
+        self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -444,19 +430,11 @@ class AsyncLocker:
         return lease
 
     # -- helpers -----------------------------------------------------------
-    if True:  # ASYNC
-
-        async def _extend_many(
-            self, leases: list[AsyncLease], deadline: float, shared: bool
-        ) -> tuple[float, list[datetime | None]]:
-            """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
-            return await (self.shared_keeper if shared else self.keeper).extend_many(leases, deadline)
-
-        def _spawn(self, work: Awaitable[Any]) -> asyncio.Task[Any]:
-            task = asyncio.ensure_future(work)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return task
+    async def _extend_many(
+        self, leases: list[AsyncLease], deadline: float, shared: bool
+    ) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
+        return await (self.shared_keeper if shared else self.keeper).extend_many(leases, deadline)
 
     def _deadline(self) -> float:
         """The deadline of a one-statement call starting now."""
@@ -521,12 +499,7 @@ class AsyncLocker:
         to finish first.
         """
         await self._cleanup.close(self.op_timeout)
-        if True:  # ASYNC
-            for task in self._tasks:
-                task.cancel()
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=self.op_timeout)
-            self._renewer.close()
+        await self._renewer.aclose(self.op_timeout)
         if self._listener is not None:
             await self._listener.close()
         if self._heartbeat is not None:

@@ -1,63 +1,90 @@
-"""Automatic renewal for asyncio: one task per AsyncLocker extends all its renewing leases, in batches.
+"""Automatic renewal: one scheduler per AsyncLocker extends all its renewing leases, in batches.
 
-The twin of ``renew.py`` (the sync face's ``Renewer``), with the same rules and
-the same decisions from ``_core``. A lease is extended when a third of its
-trusted time is used up (every ttl/3 while the database answers). The
-scheduler task keeps the renewing leases by weak reference in a heap ordered by
-the moment each next needs attention: when it is due, or, while its extend is
-in flight, when its trust runs out. It does no I/O itself. The leases due now,
-with those due within a sixth of their ttl, go out as one statement
-(``AsyncLocker._extend_many``) in a task of its own, bounded by the driver's
-deadline: at most ``op_timeout``, never past the trust of the batch's least
-trusted lease. So a database that hangs cannot keep the scheduler from
-noticing a lease's trust run out, and an AsyncLocker renewing a hundred leases
-sends about one statement per round instead of running a hundred tasks.
-Leases extended together are due together again, so batches form by
-themselves. Exclusive and shared leases are extended by different statements
-(``extend_many``, ``share_extend_many``): each kind has a heap and batches of
-its own, as the sync face's ``Keeper`` and ``SharedKeeper`` each have a Renewer.
+Written once for both faces (``tools/async_to_sync.py`` writes ``renew.py``,
+the sync ``Renewer``, from this module: tasks here, daemon threads there).
+
+A lease is extended when a third of its trusted time is used up (every ttl/3
+while the database answers). The scheduler keeps the renewing leases by weak
+reference in a heap per kind, ordered by the moment each next needs attention:
+when it is due, or, while its extend is in flight, when its trust runs out. It
+does no I/O itself. The leases of one kind due now, with those due within a
+sixth of their ttl, go out as one statement (``extend_many``; exclusive and
+shared leases are extended by different statements, so each kind has a heap
+and batches of its own), sent by a worker in the background and bounded by
+the driver's deadline: at most ``op_timeout``, never past the trust of the
+batch's least trusted lease. So a database that hangs cannot keep the
+scheduler from noticing a lease's trust run out, and one AsyncLocker renewing
+a hundred leases sends about one statement per round, on at most ``workers``
+connections, instead of running a hundred workers. Leases extended together
+are due together again, so batches form by themselves.
 
 A lease is lost when an extend finds it taken over (or released by force), or
 when its trusted time (``lease.remaining()``) runs out before an extend
 confirms it; failures in between (a refused connection, a statement cut off)
 are retried while it is trusted. When lost, ``lease.lost`` is set,
-``remaining()`` returns 0 and ``on_lost(lease)`` (a plain or async callable)
-runs in a task of its own on the event loop, so a slow callback delays
-nobody's renewal. A lease that is released, lost or garbage-collected leaves
-the heap at its next turn; the tasks end when no lease is left to renew, and
-``close`` (``AsyncLocker.aclose``) stops them.
+``remaining()`` returns 0 and ``on_lost(lease)`` runs on a worker of its own
+(asyncio: a task on the event loop, and the callable may be plain or async;
+sync: a thread), so a slow callback delays nobody's renewal. A lease that is
+released, lost or garbage-collected leaves the heap at its next turn; the
+workers end when no lease is left to renew, and ``aclose`` stops them.
 
-Where it differs from ``renew.py``, and why: no lock (one event loop, and no
-``await`` between reading the schedule and changing it); no fork check (an
-event loop does not live on in a forked child); no linger before a task ends
-(a task, unlike a thread, costs next to nothing to start again).
+Where the faces differ: a thread lingers ``LINGER`` idle seconds before it
+ends, as it costs more to start again than a task, which ends at once; the
+event loop holds tasks only weakly, so the asyncio face keeps its own and
+cancels them at ``aclose``; an async ``on_lost`` is awaited. The lock (a pair
+in ``_acompat``) is a no-op on one event loop, where nothing between its
+``with`` lines awaits, and the fork check matters to threads only (an event
+loop does not live on in a forked child).
 """
 
 from __future__ import annotations
 
-import asyncio
 import heapq
-import inspect
 import itertools
 import logging
+import os
 import time
 import weakref
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import _core as core
-from .renew import BATCH_MAX
+from ._acompat import AEvent, AMutex, Worker, aevent_wait, aspawn, astop, running
+
+if True:  # ASYNC
+    import asyncio
+    import inspect
+else:
+    from ._alease import AsyncOnLost  # importable from dblock.renew as before
+    from ._within import Overdue, call_within  # importable from dblock.renew as before
+    from .errors import LeaseLost  # importable from dblock.renew as before
 
 if TYPE_CHECKING:
     from ._alease import AsyncLease, AsyncOnLost
-    from .lease import LeaseState
+    from ._lease_state import LeaseState
 
 log = logging.getLogger("dblock.renew")
 
-# (leases, deadline, shared) -> (when the statement was sent, each lease's new expiry or None: not extended)
-ExtendMany = Callable[[list["AsyncLease"], float, bool], Awaitable[tuple[float, Sequence["datetime | None"]]]]
-# Runs a coroutine as the AsyncLocker's background work (which its aclose cancels).
-Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
+# A worker with nothing to do ends after this many seconds.
+if True:  # ASYNC
+    LINGER = 0.0  # a task costs next to nothing to start again
+else:
+    LINGER = 5.0
+
+# At most this many leases per statement.
+BATCH_MAX = 500
+
+
+class ExtendMany(Protocol):
+    """Sends one batch of renewal's extends (a protocol, so that one definition serves both faces)."""
+
+    async def __call__(
+        self, leases: list[AsyncLease], deadline: float, shared: bool, /
+    ) -> tuple[float, Sequence[datetime | None]]:
+        """Extend ``leases`` (all of one kind: ``shared``) by their own ttl in one statement: when it was
+        sent, and each lease's new expiry or None (not extended: released or taken over)."""
+        ...
 
 
 class _Entry:
@@ -79,39 +106,59 @@ Renewal = _Entry  # a renewing lease's place in the schedule, as the AsyncLease 
 
 
 class AsyncRenewer:
-    """An AsyncLocker's renewal: one scheduler task, and up to ``workers`` tasks sending extends."""
+    """One AsyncLocker's renewal: one scheduler, and up to ``workers`` workers sending batches of extends.
 
-    def __init__(self, extend_many: ExtendMany, op_timeout: float, workers: int, spawn: Spawn) -> None:
+    ``extend_many(leases, deadline, shared)`` sends one batch (all of one kind).
+    """
+
+    def __init__(self, extend_many: ExtendMany, op_timeout: float, workers: int) -> None:
         self._extend_many = extend_many
         self._op_timeout = op_timeout
         self._max_workers = workers
-        self._spawn = spawn
-        self._wake = asyncio.Event()  # the scheduler waits here
-        self._settled = asyncio.Event()  # ``settle`` waits here for an extend in flight (a fresh one after each set)
+        if True:  # ASYNC
+            # Every task this renewal started and that has not ended: the loop holds them only weakly.
+            self._tasks: set[asyncio.Task[None]] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = AMutex()  # over everything below
+        self._wake = AEvent()  # the scheduler waits here
+        self._work = AEvent()  # idle workers wait here; set, under the lock, when a batch is queued
+        self._settled = AEvent()  # ``settle`` waits here for an extend in flight (a fresh one after each set)
         # The exclusive leases' heap and the shared leases': each kind's batches are statements of their own.
         self._heaps: tuple[list[tuple[float, int, _Entry]], ...] = ([], [])
         self._count = itertools.count()
         self._live = 0  # entries not done
         self._jobs: list[list[_Entry]] = []
-        self._workers = 0
-        self._scheduler: asyncio.Task[Any] | None = None
+        self._idle = 0  # workers waiting for a batch
+        self._workers = 0  # workers started and not ended
+        self._scheduler: Worker | None = None
+        # The scheduler and workers started since the last reset or close: one of another era ends.
+        self._era = object()
+        self._pid = os.getpid()
 
     # -- the lease's side ----------------------------------------------------
     def add(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> Renewal:
+        if self._pid != os.getpid():
+            # Forked: the parent's threads are not here, and its leases are not ours to renew.
+            self._reset()
         entry = _Entry(lease, state, on_lost)
-        self._live += 1
-        self._push(entry, time.monotonic() + _until_due(lease))
-        if self._scheduler is None:
-            self._scheduler = self._spawn(self._schedule())
-            self._scheduler.set_name("dblock-renew")
-        else:
-            self._wake.set()
+        with self._lock:
+            self._live += 1
+            self._push(entry, time.monotonic() + _until_due(lease))
+            if not running(self._scheduler):
+                self._scheduler = self._start(partial(self._schedule, self._era), "dblock-renew")
+            else:
+                self._wake.set()
         return entry
 
     def drop(self, entry: Renewal) -> None:
         """The lease ended (released or lost): take it out of the schedule now."""
-        self._leave(entry)
-        self._wake.set()
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            self._leave(entry)
+        self._wake.set()  # with nothing left to renew, the scheduler ends
 
     async def settle(self, entry: Renewal, deadline: float) -> None:
         """Take the lease out of the schedule, and wait (until ``deadline``, monotonic) for an extend
@@ -120,9 +167,16 @@ class AsyncRenewer:
 
         The extend is waited for, not cancelled: it carries the other leases of its batch too.
         """
-        self._leave(entry)
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            self._leave(entry)
         self._wake.set()
-        while entry.busy:
+        while True:
+            with self._lock:
+                if not entry.busy:
+                    return
+                settled = self._settled  # set once the extends in flight now have come back
             left = deadline - time.monotonic()
             if left <= 0:
                 lease = entry.ref()
@@ -131,29 +185,42 @@ class AsyncRenewer:
                     "a ttl longer than its hold", "a lease" if lease is None else lease.name,
                 )
                 return
-            await _wait(self._settled, left)
+            await aevent_wait(settled, left)
 
     def renewing(self) -> int:
         """How many leases this AsyncLocker renews now."""
-        return self._live
+        with self._lock:
+            return self._live if self._pid == os.getpid() else 0
 
-    def close(self) -> None:
-        """Stop renewing (``AsyncLocker.aclose``): every lease leaves the schedule and the scheduler task
-        is cancelled; the leases stay granted until released or expired. Its send tasks and on_lost
-        callbacks are the AsyncLocker's background work, which aclose cancels with the rest."""
-        for heap in self._heaps:
-            for _, _, entry in heap:
-                self._leave(entry)
-            heap.clear()
-        for job in self._jobs:
-            for entry in job:
-                entry.busy = False  # never sent
-        self._jobs.clear()
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            self._scheduler = None  # a task cancelled before it ran never reaches its own finally
+    async def aclose(self, timeout: float) -> None:
+        """Stop renewing (``AsyncLocker.aclose``): every lease leaves the schedule, and the scheduler
+        ends, waited for up to ``timeout`` s; the leases stay granted until released or expired. On
+        asyncio the workers sending extends and running on_lost callbacks are cancelled too."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            for heap in self._heaps:
+                for _, _, entry in heap:
+                    self._leave(entry)
+                heap.clear()
+            for job in self._jobs:
+                for entry in job:
+                    entry.busy = False  # never sent
+            self._jobs.clear()
+            self._era = object()  # the scheduler and idle workers end at their next look
+            scheduler, self._scheduler = self._scheduler, None
+            self._ended()
+        self._wake.set()
+        self._work.set()
+        if True:  # ASYNC
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+        await astop(scheduler, timeout)
 
-    # -- bookkeeping ----------------------------------------------------------------
+    # -- bookkeeping, under the lock ---------------------------------------------
     def _push(self, entry: _Entry, when: float) -> None:
         entry.wake = when
         heapq.heappush(self._heaps[entry.shared], (when, next(self._count), entry))
@@ -163,30 +230,49 @@ class AsyncRenewer:
             entry.done = True
             self._live -= 1
 
-    # -- the scheduler task --------------------------------------------------------
-    async def _schedule(self) -> None:
-        try:
-            while True:
-                self._wake.clear()  # whatever changes the schedule from here on wakes the wait below
+    def _ended(self) -> None:
+        """Extends came back (or never went out): wake whoever ``settle`` waits for one of them."""
+        self._settled.set()
+        self._settled = AEvent()
+
+    def _start(self, work: Callable[[], Any], name: str) -> Worker:
+        worker = aspawn(work, name)
+        if True:  # ASYNC
+            self._tasks.add(worker)
+            worker.add_done_callback(self._tasks.discard)
+        return worker
+
+    # -- the scheduler -------------------------------------------------------------
+    async def _schedule(self, era: object) -> None:
+        lost: list[tuple[_Entry, str]] = []
+        while True:
+            self._report(lost)
+            self._wake.clear()  # whatever changes the schedule from here on wakes the waits below
+            with self._lock:
+                if self._era is not era:
+                    return  # closed, or forked
                 now = time.monotonic()
-                lost: list[tuple[_Entry, str]] = []
+                lost = []
                 for heap in self._heaps:
                     batch = self._take(heap, now, lost)
                     if batch:
-                        self._jobs.append(batch)
-                        if self._workers < self._max_workers:
-                            self._workers += 1
-                            self._spawn(self._send()).set_name("dblock-extend")
-                self._report(lost)
-                if not self._live:
-                    break
+                        self._queue(batch, era)
+                live = self._live
                 tops = [heap[0][0] for heap in self._heaps if heap]
-                await _wait(self._wake, min(tops) - now if tops else None)
-            for heap in self._heaps:
-                heap.clear()  # only items of entries that left: nothing is left to renew
-        finally:
-            if self._scheduler is asyncio.current_task():
-                self._scheduler = None
+            if lost:
+                continue  # report them, and look again: reporting took time
+            if live:
+                await aevent_wait(self._wake, min(tops) - now if tops else None)
+                continue
+            # Nothing left to renew: end, unless a lease comes while it lingers.
+            if await aevent_wait(self._wake, LINGER):
+                continue
+            with self._lock:
+                if self._era is era and not self._live:
+                    for heap in self._heaps:
+                        heap.clear()  # only items of entries that left
+                    self._scheduler = None
+                    return
 
     def _take(self, heap: list[tuple[float, int, _Entry]], now: float, lost: list[tuple[_Entry, str]]) -> list[_Entry]:
         """The entries of one kind (``heap``) to extend now; those whose trust ran out go to ``lost``."""
@@ -216,32 +302,55 @@ class AsyncRenewer:
                 self._push(entry, now + left)
         return batch
 
-    # -- the send tasks --------------------------------------------------------------
-    async def _send(self) -> None:
+    def _queue(self, batch: list[_Entry], era: object) -> None:
+        """Hand a batch to an idle worker, or to a new one while fewer than ``workers`` run."""
+        self._jobs.append(batch)
+        if self._idle < len(self._jobs) and self._workers < self._max_workers:
+            self._workers += 1
+            self._start(partial(self._send, era), "dblock-extend")
+        self._work.set()
+
+    # -- the workers sending batches ---------------------------------------------------
+    async def _send(self, era: object) -> None:
         try:
-            while self._jobs:
-                job = self._jobs.pop(0)
+            while True:
+                with self._lock:
+                    if self._era is not era:
+                        return  # closed, or forked
+                    job = self._jobs.pop(0) if self._jobs else None
+                    if job is None:
+                        self._work.clear()  # under the lock, as ``_queue`` sets it
+                        self._idle += 1
+                if job is None:
+                    woken = await aevent_wait(self._work, LINGER)
+                    with self._lock:
+                        self._idle -= 1
+                        if not woken and not self._jobs:
+                            return
+                    continue
+                outcome: list[tuple[_Entry, float | None, str]] = []
+                lost: list[tuple[_Entry, str]] = []
                 try:
                     outcome = await self._extend(job)
                 finally:  # also when cancelled: a release waiting in ``settle`` goes on
-                    for entry in job:
-                        entry.busy = False
-                    self._settled.set()
-                    self._settled = asyncio.Event()
-                lost: list[tuple[_Entry, str]] = []
-                for entry, when, why in outcome:
-                    if entry.done:
-                        continue
-                    if when is None:
-                        self._leave(entry)
-                        if why:
-                            lost.append((entry, why))
-                    else:
-                        self._push(entry, when)
-                self._wake.set()
+                    with self._lock:
+                        for entry in job:
+                            entry.busy = False
+                        for entry, when, why in outcome:
+                            if entry.done:
+                                continue
+                            if when is None:
+                                self._leave(entry)
+                                if why:
+                                    lost.append((entry, why))
+                            else:
+                                self._push(entry, when)
+                        self._ended()
+                    self._wake.set()
                 self._report(lost)
         finally:
-            self._workers -= 1
+            with self._lock:
+                self._workers -= 1
 
     async def _extend(self, job: list[_Entry]) -> list[tuple[_Entry, float | None, str]]:
         """Send one batch. Per entry: when it next needs a turn; or None, and why it is lost ("": it ended)."""
@@ -295,11 +404,18 @@ class AsyncRenewer:
             log.debug("extended %d lease(s)", sum(e is not None for e in expiries))
         return out
 
+    # -- losses ------------------------------------------------------------------------
     def _report(self, lost: list[tuple[_Entry, str]]) -> None:
+        """Mark the leases lost, and run each one's on_lost on a worker of its own (outside the lock)."""
         for entry, why in lost:
             lease = entry.ref()
-            if lease is not None:
-                _lose(lease, entry.state, entry.on_lost, why, self._spawn)
+            if lease is None or entry.state.ended():
+                continue  # collected; or released meanwhile: the extend that raced the release found nothing
+            # Once lost, stays lost. The entry has left the schedule already.
+            entry.state.lose()
+            log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
+            if entry.on_lost is not None:
+                self._start(partial(_call_on_lost, entry.on_lost, lease), f"dblock-on-lost {lease.name!r}")
 
 
 def _until_due(lease: AsyncLease) -> float:
@@ -307,31 +423,21 @@ def _until_due(lease: AsyncLease) -> float:
     return core.until_due(lease.ttl, lease.remaining())
 
 
-def _lose(lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None, why: str, spawn: Spawn) -> None:
-    if state.ended():
-        return  # released meanwhile: the extend that raced the release found nothing, as it should
-    # Once lost, stays lost. The entry has left the schedule already.
-    state.lose()
-    log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
-    if on_lost is not None:
-        spawn(_call_on_lost(on_lost, lease)).set_name(f"dblock-on-lost {lease.name!r}")
-
-
 async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:
     try:
-        result = on_lost(lease)
-        if inspect.isawaitable(result):
-            await result
+        if True:  # ASYNC
+            result = on_lost(lease)
+            if inspect.isawaitable(result):
+                await result
+        else:
+            on_lost(lease)
     except Exception:  # the callback is the application's; report, don't die silently
         log.exception("on_lost callback for %r raised", lease.name)
 
 
-async def _wait(event: asyncio.Event, timeout: float | None) -> None:
-    """``event.wait()`` for at most ``timeout`` s (None: until it is set); yields to the loop even at 0."""
-    try:
-        await asyncio.wait_for(event.wait(), None if timeout is None else max(timeout, 0.0))
-    except asyncio.TimeoutError:
-        pass
-
-
-__all__ = ["AsyncRenewer", "ExtendMany", "Renewal", "Spawn"]
+if True:  # ASYNC
+    __all__ = ["BATCH_MAX", "LINGER", "AsyncRenewer", "ExtendMany", "Renewal"]
+else:
+    __all__ = [
+        "BATCH_MAX", "LINGER", "ExtendMany", "LeaseLost", "OnLost", "Overdue", "Renewal", "Renewer", "call_within",
+    ]

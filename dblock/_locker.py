@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
 
@@ -149,14 +150,10 @@ class Locker:
         # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
         self.keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
         self.shared_keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
-        # Renewal: the extends that fall due together go out in batches, on at most size - 1 connections.
-        workers = max(1, min(4, max_connections - 1))
-        # One renewal thread for each kind of lease.
-        self.keeper.renewer = Renewer(self.keeper.extend_many, self.op_timeout, workers)
-        self.shared_keeper.renewer = Renewer(
-            self.shared_keeper.extend_many, self.op_timeout, max(1, min(2, max_connections - 1))
-        )
-        self._renewer = self.keeper.renewer
+        # Renewal, one for both kinds of lease: the extends that fall due together go out in
+        # batches (each kind in a statement of its own), on at most size - 1 connections.
+        self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
+        self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
 
     # -- schema ------------------------------------------------------------
@@ -413,6 +410,11 @@ class Locker:
         return lease
 
     # -- helpers -----------------------------------------------------------
+    def _extend_many(
+        self, leases: list[Lease], deadline: float, shared: bool
+    ) -> tuple[float, list[datetime | None]]:
+        """Renewal's extend: ``leases`` (of one kind) by their own ttl in one statement."""
+        return (self.shared_keeper if shared else self.keeper).extend_many(leases, deadline)
 
     def _deadline(self) -> float:
         """The deadline of a one-statement call starting now."""
@@ -477,6 +479,7 @@ class Locker:
         to finish first.
         """
         self._cleanup.close(self.op_timeout)
+        self._renewer.close(self.op_timeout)
         if self._listener is not None:
             self._listener.close()
         if self._heartbeat is not None:

@@ -120,7 +120,8 @@ async def test_many_async_leases_renew_in_about_one_statement_a_round(db: Db) ->
             if proxy is not None:  # each a round trip; a new connection's set-up may add a couple
                 assert proxy.round_trips <= statements + 2, f"{proxy.round_trips} round trips for {statements} extends"
             # One scheduler task, and a task sending each batch in flight (at most 4): not a task per lease.
-            assert len(locker._tasks) <= 5, f"{len(locker._tasks)} background tasks renew {N} leases"
+            tasks = locker._renewer._tasks  # the scheduler, the senders and on_lost callbacks
+            assert len(tasks) <= 5, f"{len(tasks)} background tasks renew {N} leases"
             assert [t.get_name() for t in asyncio.all_tasks()].count("dblock-renew") == 1
             assert all(lease.remaining() > 0 and not lease.lost.is_set() for lease in leases)
             for lease in leases:

@@ -35,6 +35,7 @@ SOURCES = [
     ("dblock/_averbs.py", "dblock/_verbs.py"),
     ("dblock/_acleanup.py", "dblock/_cleanup.py"),
     ("dblock/_aacquire.py", "dblock/_acquire.py"),
+    ("dblock/_arenew.py", "dblock/renew.py"),
     ("dblock/_akeeper.py", "dblock/_keeper.py"),
     ("dblock/_alease.py", "dblock/_lease.py"),
     ("dblock/_alocker.py", "dblock/_locker.py"),
