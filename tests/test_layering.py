@@ -46,8 +46,8 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _defines(tree: ast.Module) -> set[str]:
-    """The private names a module defines: its own to use on any receiver."""
+def _defines(tree: ast.AST) -> set[str]:
+    """The private names a module (or a class) defines: its own to use on any receiver."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
@@ -157,15 +157,7 @@ def class_violations(modules: dict[str, ast.Module]) -> list[str]:
     found = []
     for module, tree in modules.items():
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            own: set[str] = set()
-            for node in ast.walk(cls):
-                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                    if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                        own.add(node.attr)
-                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    own.add(node.name)
-                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                    own.add(node.id)
+            own = _defines(cls)  # what the class itself defines
             for node in ast.walk(cls):
                 if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
                     if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
