@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
     after = _status()
     with tally._lock:
         extends, failed, statements = list(tally.extends), dict(tally.failed), tally.statements
-    connections = locker._driver.open_connections() if renewing else 1
+    connections = locker.open_connections() if renewing else 1
     stop.set()
     not_released = release_failed = 0
     if renewer is not None:

@@ -50,7 +50,7 @@ def main() -> None:
 
     def sample() -> None:  # the pool's own count: a cut connection's server session may linger after close
         while not done.wait(0.005):
-            peak[0] = max(peak[0], locker._driver.open_connections())
+            peak[0] = max(peak[0], locker.open_connections())
 
     sampler = threading.Thread(target=sample)
     sampler.start()

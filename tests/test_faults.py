@@ -227,7 +227,7 @@ def test_connections_stay_within_max_connections(pg: Db) -> None:
         try:
             for _ in range(5):
                 lease = locker.acquire("pool", ttl=5, timeout=60)
-                seen.append(locker._driver.open_connections())
+                seen.append(locker.open_connections())
                 lease.release()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
