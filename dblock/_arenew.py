@@ -51,17 +51,17 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import _core as core
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, aspawn, astop, running
+from ._alease import AsyncOnLost  # on_lost's type, importable from dblock.renew as before
 
 if True:  # ASYNC
     import asyncio
     import inspect
 else:
-    from ._alease import AsyncOnLost  # importable from dblock.renew as before
     from ._within import Overdue, call_within  # importable from dblock.renew as before
     from .errors import LeaseLost  # importable from dblock.renew as before
 
 if TYPE_CHECKING:
-    from ._alease import AsyncLease, AsyncOnLost
+    from ._alease import AsyncLease
     from ._lease_state import LeaseState
 
 log = logging.getLogger("dblock.renew")

@@ -53,13 +53,13 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import _core as core
 from ._acompat import Event, Mutex, Worker, event_wait, spawn, stop, running
+from ._lease import OnLost  # on_lost's type, importable from dblock.renew as before
 
-from ._lease import OnLost  # importable from dblock.renew as before
 from ._within import Overdue, call_within  # importable from dblock.renew as before
 from .errors import LeaseLost  # importable from dblock.renew as before
 
 if TYPE_CHECKING:
-    from ._lease import Lease, OnLost
+    from ._lease import Lease
     from ._lease_state import LeaseState
 
 log = logging.getLogger("dblock.renew")
