@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from dblock import DBLockError, LeaseLost, LockNotAcquired
-from dblock._acompat import asleep
+from dblock._acompat import ajoin, asleep, aspawn
 from dblock import AsyncLocker
 
 from .conftest import Db
@@ -179,6 +179,49 @@ async def test_renewal_keeps_a_lease_past_its_ttl(db: Db) -> None:
         assert not lease.lost.is_set() and lease.remaining() > 0
         assert await other.try_acquire("renewed", ttl=30) is None
         assert await lease.release() is True
+
+
+async def test_a_release_hands_the_lease_to_a_waiter_with_a_larger_token(db: Db) -> None:
+    """A waiter (a task, or a thread on the sync face) gets the lease once its holder releases it,
+    well before the holder's ttl: by the fair queue's hand-off where there is one, else by polling."""
+    async with make(db) as holder, make(db) as waiter:
+        lease = await holder.try_acquire("handed", ttl=60)
+        assert lease is not None
+        got: list[Any] = []
+
+        async def wait() -> None:
+            got.append(await waiter.acquire("handed", ttl=30, timeout=20))
+
+        worker = aspawn(wait, name="waiter")
+        await asleep(0.2)  # the waiter looks at least once while the lease is held
+        assert got == []
+        assert await lease.release() is True
+        await ajoin(worker, 20)
+        assert len(got) == 1 and got[0].token > lease.token
+        assert held(db) == [("handed", got[0].token)]
+        await got[0].release()
+
+
+async def test_waiters_of_one_locker_are_served_one_at_a_time(db: Db) -> None:
+    """Three waiters of one Locker: each gets the lease in turn, each with a larger token, never two at once."""
+    async with make(db) as holder, make(db) as waiters:
+        lease = await holder.try_acquire("turns", ttl=60)
+        assert lease is not None
+        tokens: list[int] = []
+        alone: list[bool] = []
+
+        async def wait() -> None:
+            mine = await waiters.acquire("turns", ttl=30, timeout=30)
+            tokens.append(mine.token)
+            alone.append(held(db) == [("turns", mine.token)])  # checked here, asserted by the test
+            await mine.release()
+
+        workers = [aspawn(wait, name=f"waiter-{i}") for i in range(3)]
+        await lease.release()
+        for worker in workers:
+            await ajoin(worker, 30)
+        assert len(tokens) == 3 and sorted(tokens) == tokens and tokens[0] > lease.token
+        assert alone == [True, True, True]
 
 
 async def test_bad_input_is_refused_before_any_statement(db: Db) -> None:
