@@ -147,7 +147,7 @@ class AsyncDriver:
         return conn
 
     async def _checkin(self, conn: _AConn) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         async with cond:
             if self._pid == os.getpid() and not conn.cut:
                 self._waiting_out -= conn.waiting
@@ -163,7 +163,7 @@ class AsyncDriver:
         conn.waiting = False
 
     async def _forget(self, count: int, waiting: bool = False) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         async with cond:
             if self._pid == os.getpid():
                 self._open -= count
@@ -171,7 +171,7 @@ class AsyncDriver:
                 cond.notify_all()
 
     async def _drain(self) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         async with cond:
             idle, self._idle = self._idle, []
         for conn in idle:

@@ -135,7 +135,7 @@ class Driver:
         return conn
 
     def _checkin(self, conn: _Conn) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         with cond:
             if self._pid == os.getpid() and not conn.cut:
                 self._waiting_out -= conn.waiting
@@ -151,7 +151,7 @@ class Driver:
         conn.waiting = False
 
     def _forget(self, count: int, waiting: bool = False) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         with cond:
             if self._pid == os.getpid():
                 self._open -= count
@@ -159,7 +159,7 @@ class Driver:
                 cond.notify_all()
 
     def _drain(self) -> None:
-        cond = self._bind()
+        cond = self._cond  # bound at checkout, on this loop
         with cond:
             idle, self._idle = self._idle, []
         for conn in idle:
