@@ -1,15 +1,15 @@
-"""The asyncio API (``AsyncLocker``, ``AsyncLease``) on real PostgreSQL and SQLite.
+"""What only the asyncio API (``AsyncLocker``, ``AsyncLease``) has, on real PostgreSQL and SQLite.
 
-The guarantee race (G1/G2, audited) runs against this API in test_guarantees.py
-(its ``async-*`` modes) and the fenced pause in test_fencing.py; this file
-holds the rest of the guarantees, what only asyncio has (cancellation, tasks
-instead of threads, the event loop never blocked), and faults.
+What both faces promise is tested once, on both, in test_faces_async.py (and the
+test_faces.py generated from it); the guarantee race (G1/G2, audited) runs against
+this API in test_guarantees.py (its ``async-*`` modes) and the fenced pause in
+test_fencing.py. Here: engines and URLs, on_lost on the loop, tasks instead of
+threads (the event loop never blocked), cancellation, faults and the decorator.
 """
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 import threading
 import time
 from typing import Any
@@ -17,12 +17,11 @@ from typing import Any
 import pytest
 
 import dblock
-from dblock import AsyncLease, AsyncLocker, DatabaseUnavailable, LeaseLost, LockNotAcquired
+from dblock import AsyncLease, AsyncLocker, DatabaseUnavailable, LockNotAcquired
 
 from .conftest import Db
 from .pgproxy import PgProxy
 from .test_faults import SLACK, SilentServer, silent  # noqa: F401 - the fixture
-from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
 from .workers import race_cancel_with_hand_off
 
 pytestmark = pytest.mark.asyncio
@@ -41,71 +40,6 @@ def queued(db: Db) -> int:
     if db.backend != "postgresql":
         return 0
     return db.query(f"SELECT count(*) FROM {db.table}_waiters")[0][0]
-
-
-# -- the API -----------------------------------------------------------------------
-async def test_acquire_extend_release_and_the_operator_calls(db: Db) -> None:
-    async with alocker(db) as locker:
-        lease = await locker.acquire("job", ttl=5)
-        assert isinstance(lease, AsyncLease) and lease.token > 0
-        assert 4 < lease.remaining() <= 5
-        assert await locker.try_acquire("job") is None
-        await lease.extend(10)
-        assert lease.ttl == 10 and 9 < lease.remaining() <= 10
-        (info,) = await locker.leases()
-        assert (info.name, info.owner, info.token) == ("job", lease.owner, lease.token)
-        assert await lease.release() is True
-        assert await lease.release() is False
-        assert lease.remaining() == 0 and held(db) == []
-        again = await locker.try_acquire("job")
-        assert again is not None and again.token > lease.token  # G2
-        assert await locker.force_release((await locker.leases())[0]) is True
-        with pytest.raises(LeaseLost):
-            await again.extend()
-        assert again.lost.is_set()
-        assert await locker.prune(0.001) >= 0
-
-
-async def test_lock_context_releases_on_exit_and_on_error(db: Db) -> None:
-    async with alocker(db) as locker:
-        async with locker.lock("ctx", ttl=5) as lease:
-            assert held(db) == [("ctx", lease.token)]
-        assert held(db) == []
-        with pytest.raises(RuntimeError):
-            async with locker.lock("ctx"):
-                raise RuntimeError("boom")
-        assert held(db) == []
-
-
-async def test_a_lease_lost_inside_the_block_raises_at_its_end(db: Db) -> None:
-    async with alocker(db) as locker:
-        with pytest.raises(LeaseLost):
-            async with locker.lock("ctx", ttl=5):
-                db.query(f"UPDATE {db.table} SET owner = 'someone else'")
-
-
-async def test_waiting_acquire_times_out_with_lock_not_acquired(db: Db) -> None:
-    async with alocker(db) as holder, alocker(db) as waiter:
-        await holder.acquire("busy", ttl=30)
-        started = time.monotonic()
-        with pytest.raises(LockNotAcquired):
-            await waiter.acquire("busy", timeout=0.3)
-        assert time.monotonic() - started >= 0.3
-        with pytest.raises(LockNotAcquired):
-            await waiter.acquire("busy", timeout=0)
-        assert queued(db) == 0  # the timed-out waiter left the queue
-
-
-async def test_a_release_hands_the_lease_to_a_waiting_task(db: Db) -> None:
-    async with alocker(db) as locker:
-        first = await locker.acquire("hand", ttl=30)
-        waiter = asyncio.create_task(locker.acquire("hand", timeout=20))
-        await asyncio.sleep(0.2)
-        assert not waiter.done()
-        await first.release()
-        second = await asyncio.wait_for(waiter, 15)
-        assert second.token > first.token and held(db) == [("hand", second.token)]
-        await second.release()
 
 
 async def test_the_embedded_default_works_without_set_up(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,95 +74,6 @@ async def test_sqlite_aiosqlite_urls_name_the_same_file(tmp_path: Any) -> None:
         with dblock.Locker(f"sqlite:///{path}") as sync:
             assert sync.try_acquire("file") is None  # the same lock, seen from the sync API
         await lease.release()
-
-
-# -- guarantees ----------------------------------------------------------------------
-async def test_g3_a_stale_holder_changes_nothing(db: Db) -> None:
-    async with alocker(db) as locker:
-        stale = await locker.acquire("g3", ttl=0.05)
-        await asyncio.sleep(0.1)
-        fresh = await locker.acquire("g3", ttl=30, timeout=5)
-        before = db.rows()
-        assert await stale.release() is False
-        with pytest.raises(LeaseLost):
-            await stale.extend()
-        assert db.rows() == before and held(db) == [("g3", fresh.token)]
-
-
-async def test_g5_trust_ends_no_later_than_the_database_expiry(db: Db) -> None:
-    async with alocker(db) as locker:
-        lease = await locker.acquire("g5", ttl=2)
-        trusted_until = time.time() + lease.remaining()
-        assert trusted_until <= lease.expires_at.timestamp() + 0.005
-
-
-async def test_g6_a_retried_attempt_returns_the_lease_it_granted(db: Db) -> None:
-    async with alocker(db) as locker:
-        first, _ = await locker._attempt("g6", "retrying-owner", 30)
-        again, _ = await locker._attempt("g6", "retrying-owner", 30)
-        assert first is not None and again is not None and again.token == first.token
-
-
-@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
-async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
-    async with alocker(db) as locker:
-        before = db.rows()
-        for call in (locker.try_acquire, locker.acquire):
-            with pytest.raises((TypeError, ValueError)):
-                await call(name)  # type: ignore[operator]
-        with pytest.raises((TypeError, ValueError)):
-            locker.lock(name)  # type: ignore[arg-type]
-        assert db.rows() == before
-
-
-@pytest.mark.parametrize("ttl", BAD_TTLS, ids=repr)
-async def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None:
-    async with alocker(db) as locker:
-        before = db.rows()
-        with pytest.raises((TypeError, ValueError)):
-            await locker.try_acquire("x", ttl=ttl)  # type: ignore[arg-type]
-        lease = await locker.acquire("x")
-        with pytest.raises((TypeError, ValueError)):
-            await lease.extend(ttl)  # type: ignore[arg-type]
-        await lease.release()
-        assert [r[:3] for r in db.rows()] == [("x", None, lease.token)] and before == []
-
-
-@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
-async def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object) -> None:
-    async with alocker(db) as locker:
-        with pytest.raises((TypeError, ValueError)):
-            await locker.acquire("x", timeout=timeout)  # type: ignore[arg-type]
-        assert db.rows() == []
-
-
-@pytest.mark.parametrize(
-    "options",
-    [{"ttl": 0}, {"poll_min": -1}, {"poll_min": 1, "poll_max": 0.5}, {"fair": "yes"}, {"max_connections": 0},
-     {"table": "bad name"}, {"op_timeout": float("nan")}],
-    ids=repr,
-)
-async def test_g7_bad_options_are_refused_up_front(db: Db, options: dict) -> None:
-    with pytest.raises((TypeError, ValueError)):
-        alocker(db, **options)
-
-
-async def test_on_lost_without_renew_is_refused(db: Db) -> None:
-    async with alocker(db) as locker:
-        with pytest.raises(ValueError):
-            await locker.acquire("x", on_lost=print)
-        assert db.rows() == []
-
-
-# -- renewal ------------------------------------------------------------------------
-async def test_renewal_keeps_a_short_lease_alive(db: Db) -> None:
-    async with alocker(db) as locker, alocker(db) as other:
-        lease = await locker.acquire("renewed", ttl=0.3, renew=True)
-        await asyncio.sleep(1.2)  # four TTLs
-        assert await other.try_acquire("renewed") is None
-        assert not lease.lost.is_set() and lease.remaining() > 0
-        await lease.release()
-        assert held(db) == []
 
 
 @pytest.mark.parametrize("kind", ["plain", "async"])
@@ -434,25 +279,6 @@ async def test_locked_refuses_a_plain_function(db: Db) -> None:
     async with alocker(db) as locker:
         with pytest.raises(TypeError, match="coroutine"):
             locker.locked("x")(lambda: None)
-
-
-# -- min_hold ---------------------------------------------------------------------------
-async def test_a_release_within_min_hold_keeps_the_lease_until_then(db: Db) -> None:
-    async with alocker(db) as locker, alocker(db) as other:
-        lease = await locker.acquire("period", ttl=30, min_hold=1.5, renew=True)
-        assert lease.min_hold == 1.5
-        assert await lease.release() is True and lease.held_until is not None
-        assert (lease.held_until - lease.expires_at).total_seconds() < 0  # cut back from the 30 s ttl
-        assert held(db) == [("period", lease.token)]  # kept: owner and token stay
-        assert await lease.release() is False  # nothing left to end
-        with pytest.raises(LeaseLost):
-            await lease.extend()
-        waiter = asyncio.create_task(other.acquire("period", timeout=10))
-        await asyncio.sleep(0.5)
-        assert not waiter.done()  # not handed over at the release: the hold runs on
-        after = await asyncio.wait_for(waiter, 10)
-        assert after.token > lease.token and time.time() >= lease.held_until.timestamp() - 0.05
-        await after.release()
 
 
 async def test_locked_with_min_hold_runs_once_per_period(db: Db) -> None:

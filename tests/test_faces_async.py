@@ -9,6 +9,7 @@ Each case runs on PostgreSQL and SQLite (the ``db`` fixture). Face-only cases
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from dblock._acompat import ajoin, asleep, aspawn
 from dblock import AsyncLocker
 
 from .conftest import Db
+from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
 
 if True:  # ASYNC
     pytestmark = pytest.mark.asyncio
@@ -26,6 +28,13 @@ if True:  # ASYNC
 def make(db: Db, **options: Any) -> AsyncLocker:
     options.setdefault("table", db.table)
     return AsyncLocker(db.url, **options)
+
+
+def queued(db: Db) -> int:
+    """How many entries the fair queue holds (0 where there is none)."""
+    if db.backend != "postgresql":
+        return 0
+    return int(db.query(f"SELECT count(*) FROM {db.table}_waiters")[0][0])
 
 
 def held(db: Db) -> list[tuple[Any, ...]]:
@@ -256,3 +265,137 @@ async def test_errors_share_one_base(db: Db) -> None:
         with pytest.raises(DBLockError):
             await locker.acquire("base", timeout=0)
         await lease.release()
+
+
+async def test_acquire_extend_release_and_the_operator_calls(db: Db) -> None:
+    async with make(db) as locker:
+        lease = await locker.acquire("job", ttl=5)
+        assert lease.token > 0 and 4 < lease.remaining() <= 5
+        assert await locker.try_acquire("job") is None
+        await lease.extend(10)
+        assert lease.ttl == 10 and 9 < lease.remaining() <= 10
+        (info,) = await locker.leases()
+        assert (info.name, info.owner, info.token) == ("job", lease.owner, lease.token)
+        assert await lease.release() is True
+        assert await lease.release() is False
+        assert lease.remaining() == 0 and held(db) == []
+        again = await locker.try_acquire("job")
+        assert again is not None and again.token > lease.token  # G2
+        assert await locker.force_release((await locker.leases())[0]) is True
+        with pytest.raises(LeaseLost):
+            await again.extend()
+        assert again.lost.is_set()
+        assert await locker.prune(0.001) >= 0
+
+
+async def test_a_wait_returns_no_earlier_than_its_timeout_and_leaves_the_queue(db: Db) -> None:
+    async with make(db) as holder, make(db) as waiter:
+        await holder.acquire("busy", ttl=30)
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired):
+            await waiter.acquire("busy", timeout=0.3)
+        assert time.monotonic() - started >= 0.3  # it waited, and did not give up early
+        with pytest.raises(LockNotAcquired):
+            await waiter.acquire("busy", timeout=0)
+        assert queued(db) == 0  # the timed-out waiter left the queue
+
+
+async def test_a_release_within_min_hold_keeps_the_lease_until_then(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.acquire("period", ttl=30, min_hold=1.5, renew=True)
+        assert lease.min_hold == 1.5
+        assert await lease.release() is True and lease.held_until is not None
+        assert (lease.held_until - lease.expires_at).total_seconds() < 0  # cut back from the 30 s ttl
+        assert held(db) == [("period", lease.token)]  # kept: owner and token stay
+        assert await lease.release() is False  # nothing left to end
+        with pytest.raises(LeaseLost):
+            await lease.extend()
+        got: list[Any] = []
+
+        async def wait() -> None:
+            got.append(await other.acquire("period", timeout=10))
+
+        worker = aspawn(wait, name="waiter")
+        await asleep(0.5)
+        assert got == []  # not handed over at the release: the hold runs on
+        await ajoin(worker, 10)
+        (after,) = got
+        assert after.token > lease.token and time.time() >= lease.held_until.timestamp() - 0.05
+        await after.release()
+
+
+async def test_g3_a_stale_holder_changes_nothing(db: Db) -> None:
+    async with make(db) as locker:
+        stale = await locker.acquire("g3", ttl=0.05)
+        await asleep(0.1)
+        fresh = await locker.acquire("g3", ttl=30, timeout=5)
+        before = db.rows()
+        assert await stale.release() is False
+        with pytest.raises(LeaseLost):
+            await stale.extend()
+        assert db.rows() == before and held(db) == [("g3", fresh.token)]
+
+
+async def test_g5_trust_ends_no_later_than_the_database_expiry(db: Db) -> None:
+    async with make(db) as locker:
+        lease = await locker.acquire("g5", ttl=2)
+        trusted_until = time.time() + lease.remaining()
+        assert trusted_until <= lease.expires_at.timestamp() + 0.005
+
+
+async def test_g6_a_retried_attempt_returns_the_lease_it_granted(db: Db) -> None:
+    async with make(db) as locker:
+        first, _ = await locker._attempt("g6", "retrying-owner", 30)
+        again, _ = await locker._attempt("g6", "retrying-owner", 30)
+        assert first is not None and again is not None and again.token == first.token
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+    async with make(db) as locker:
+        before = db.rows()
+        for call in (locker.try_acquire, locker.acquire):
+            with pytest.raises((TypeError, ValueError)):
+                await call(name)  # type: ignore[operator]
+        with pytest.raises((TypeError, ValueError)):
+            locker.lock(name)  # type: ignore[arg-type]
+        assert db.rows() == before
+
+
+@pytest.mark.parametrize("ttl", BAD_TTLS, ids=repr)
+async def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None:
+    async with make(db) as locker:
+        before = db.rows()
+        with pytest.raises((TypeError, ValueError)):
+            await locker.try_acquire("x", ttl=ttl)  # type: ignore[arg-type]
+        lease = await locker.acquire("x")
+        with pytest.raises((TypeError, ValueError)):
+            await lease.extend(ttl)  # type: ignore[arg-type]
+        await lease.release()
+        assert [r[:3] for r in db.rows()] == [("x", None, lease.token)] and before == []
+
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
+async def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object) -> None:
+    async with make(db) as locker:
+        with pytest.raises((TypeError, ValueError)):
+            await locker.acquire("x", timeout=timeout)  # type: ignore[arg-type]
+        assert db.rows() == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"ttl": 0}, {"poll_min": -1}, {"poll_min": 1, "poll_max": 0.5}, {"fair": "yes"}, {"max_connections": 0},
+     {"table": "bad name"}, {"op_timeout": float("nan")}],
+    ids=repr,
+)
+async def test_g7_bad_options_are_refused_up_front(db: Db, options: dict[str, Any]) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        make(db, **options)
+
+
+async def test_on_lost_without_renew_is_refused(db: Db) -> None:
+    async with make(db) as locker:
+        with pytest.raises(ValueError):
+            await locker.acquire("x", on_lost=print)
+        assert db.rows() == []
