@@ -10,6 +10,7 @@ threads (the event loop never blocked), cancellation, faults and the decorator.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
 import time
 from typing import Any
