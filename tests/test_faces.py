@@ -10,6 +10,7 @@ Each case runs on PostgreSQL and SQLite (the ``db`` fixture). Face-only cases
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import time
 from typing import Any
@@ -323,74 +324,102 @@ def test_a_release_within_min_hold_keeps_the_lease_until_then(db: Db) -> None:
         after.release()
 
 
+def refused(db: Db, *calls: Any) -> None:
+    """Each call raises TypeError/ValueError, before any statement: the table is exactly as before."""
+    before = db.rows()
+    for call in calls:
+        with pytest.raises((TypeError, ValueError)):
+            outcome = call()
+    assert db.rows() == before
+
+
 def test_g3_a_stale_holder_changes_nothing(db: Db) -> None:
-    with make(db) as locker:
-        stale = locker.acquire("g3", ttl=0.05)
-        sleep(0.1)
-        fresh = locker.acquire("g3", ttl=30, timeout=5)
+    with make(db) as a_locker, make(db) as b_locker:
+        stale = a_locker.try_acquire("g3", ttl=0.05)
+        assert stale is not None
+        fresh = b_locker.acquire("g3", timeout=30)  # after the expiry
         before = db.rows()
         assert stale.release() is False
         with pytest.raises(LeaseLost):
-            stale.extend()
+            stale.extend(ttl=60)
         assert db.rows() == before and held(db) == [("g3", fresh.token)]
+        assert fresh.release() is True
 
 
 def test_g5_trust_ends_no_later_than_the_database_expiry(db: Db) -> None:
-    with make(db) as locker:
-        lease = locker.acquire("g5", ttl=2)
-        trusted_until = time.time() + lease.remaining()
-        assert trusted_until <= lease.expires_at.timestamp() + 0.005
+    """Right after the client stops trusting the lease, the database may hand it on; never before."""
+    with make(db) as locker, make(db) as other:
+        for _ in range(5):
+            lease = locker.try_acquire("g5", ttl=0.2)
+            assert lease is not None
+            assert time.time() + lease.remaining() <= lease.expires_at.timestamp() + 0.005
+            taken = other.acquire("g5", ttl=30, timeout=30)
+            assert lease.remaining() == 0, "the database granted the lock while the old holder still trusted it"
+            taken.release()
 
 
 def test_g6_a_retried_attempt_returns_the_lease_it_granted(db: Db) -> None:
     with make(db) as locker:
-        first, _ = locker._attempt("g6", "retrying-owner", 30)
-        again, _ = locker._attempt("g6", "retrying-owner", 30)
+        owner = "ab" * 16
+        first, _ = locker._attempt("g6", owner, 30)
+        again, _ = locker._attempt("g6", owner, 30)  # the retry after a lost reply
         assert first is not None and again is not None and again.token == first.token
+        assert locker.try_acquire("g6") is None
+        assert again.release() is True
+        assert first.release() is False  # the same lease: it is gone now
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
-def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: Any) -> None:
     with make(db) as locker:
-        before = db.rows()
-        for call in (locker.try_acquire, locker.acquire):
-            with pytest.raises((TypeError, ValueError)):
-                call(name)  # type: ignore[operator]
-        with pytest.raises((TypeError, ValueError)):
-            locker.lock(name)  # type: ignore[arg-type]
-        assert db.rows() == before
+        locker.try_acquire("held", ttl=60)
+        refused(
+            db,
+            lambda: locker.try_acquire(name),
+            lambda: locker.acquire(name, timeout=0),
+            lambda: locker.lock(name),
+        )
 
 
 @pytest.mark.parametrize("ttl", BAD_TTLS, ids=repr)
-def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: object) -> None:
+def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: Any) -> None:
     with make(db) as locker:
-        before = db.rows()
-        with pytest.raises((TypeError, ValueError)):
-            locker.try_acquire("x", ttl=ttl)  # type: ignore[arg-type]
-        lease = locker.acquire("x")
-        with pytest.raises((TypeError, ValueError)):
-            lease.extend(ttl)  # type: ignore[arg-type]
-        lease.release()
-        assert [r[:3] for r in db.rows()] == [("x", None, lease.token)] and before == []
+        lease = locker.try_acquire("held", ttl=60)
+        assert lease is not None
+        refused(
+            db,
+            lambda: locker.try_acquire("x", ttl=ttl),
+            lambda: locker.acquire("x", ttl=ttl, timeout=0),
+            lambda: locker.lock("x", ttl=ttl),
+            lambda: lease.extend(ttl=ttl),
+            lambda: make(db, ttl=ttl),
+        )
+        assert 59 < lease.remaining() <= 60
 
 
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
-def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: object) -> None:
+def test_g7_bad_timeouts_are_refused_and_change_nothing(db: Db, timeout: Any) -> None:
     with make(db) as locker:
-        with pytest.raises((TypeError, ValueError)):
-            locker.acquire("x", timeout=timeout)  # type: ignore[arg-type]
-        assert db.rows() == []
+        locker.try_acquire("held", ttl=60)
+        refused(
+            db,
+            lambda: locker.acquire("x", timeout=timeout),
+            lambda: locker.lock("x", timeout=timeout),
+            lambda: make(db, timeout=timeout),
+        )
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"ttl": 0}, {"poll_min": -1}, {"poll_min": 1, "poll_max": 0.5}, {"fair": "yes"}, {"max_connections": 0},
-     {"table": "bad name"}, {"op_timeout": float("nan")}],
+    [
+        {"table": "bad-name"}, {"table": "1abc"}, {"table": "x" * 54}, {"table": ""}, {"table": 5},
+        {"schema": "a b"}, {"poll_min": 0}, {"poll_min": 0.5, "poll_max": 0.1}, {"ttl": 0}, {"poll_min": -1},
+        {"fair": "yes"}, {"max_connections": 0}, {"op_timeout": float("nan")},
+    ],
     ids=repr,
 )
 def test_g7_bad_options_are_refused_up_front(db: Db, options: dict[str, Any]) -> None:
-    with pytest.raises((TypeError, ValueError)):
-        make(db, **options)
+    refused(db, lambda: Locker(db.url, **options))
 
 
 def test_on_lost_without_renew_is_refused(db: Db) -> None:
