@@ -1,4 +1,8 @@
-"""The public API on both backends: acquire, hold, extend, release, inspect."""
+"""The sync face's own API cases on both backends: the embedded default, engines, threads, repr.
+
+What both faces promise (acquire, hold, extend, release, inspect) is tested once, on both
+faces, in test_faces_async.py and the test_faces.py generated from it.
+"""
 
 from __future__ import annotations
 
@@ -7,151 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
 
 import pytest
 from sqlalchemy import create_engine
 
-from dblock import DBLockError, Lease, LeaseLost, Locker, LockNotAcquired
+from dblock import DBLockError, Locker, LockNotAcquired
 
 from .conftest import Db
-
-
-def test_try_acquire_grants_then_refuses(locker: Locker) -> None:
-    lease = locker.try_acquire("report", ttl=30)
-    assert isinstance(lease, Lease)
-    assert lease.name == "report" and isinstance(lease.token, int) and lease.token >= 1
-    assert len(lease.owner) == 32
-    assert isinstance(lease.expires_at, datetime) and lease.expires_at.tzinfo is not None
-    assert 29 < lease.remaining() <= 30
-    assert locker.try_acquire("report") is None
-    assert locker.try_acquire("other") is not None
-
-
-def test_release_frees_the_name_and_reports_once(locker: Locker) -> None:
-    lease = locker.try_acquire("job")
-    assert lease.release() is True
-    assert lease.remaining() == 0
-    assert lease.release() is False
-    again = locker.try_acquire("job")
-    assert again is not None and again.token > lease.token
-
-
-def test_tokens_grow_across_names_and_grants(locker: Locker) -> None:
-    tokens = []
-    for i in range(20):
-        lease = locker.try_acquire(f"n{i % 3}")
-        tokens.append(lease.token)
-        lease.release()
-    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
-
-
-def test_extend_moves_expiry_by_database_clock(locker: Locker) -> None:
-    lease = locker.try_acquire("x", ttl=5)
-    before = lease.expires_at
-    lease.extend(ttl=60)
-    assert lease.expires_at > before
-    assert 59 < lease.remaining() <= 60
-    assert lease.ttl == 60
-    lease.extend()  # the lease's own ttl by default
-    assert 59 < lease.remaining() <= 60
-
-
-def test_extend_after_release_raises_lease_lost(locker: Locker) -> None:
-    lease = locker.try_acquire("x")
-    lease.release()
-    with pytest.raises(LeaseLost):
-        lease.extend()
-
-
-def test_lock_context_releases_on_exit_and_on_error(locker: Locker) -> None:
-    with locker.lock("ctx", ttl=10, timeout=1) as lease:
-        assert locker.try_acquire("ctx") is None
-    assert locker.try_acquire("ctx") is not None
-
-    with pytest.raises(RuntimeError):
-        with locker.lock("ctx2") as lease:
-            raise RuntimeError("boom")
-    assert lease.remaining() == 0
-    assert locker.try_acquire("ctx2") is not None
-
-
-def test_lease_is_a_context_manager(locker: Locker) -> None:
-    with locker.try_acquire("direct") as lease:
-        assert lease.remaining() > 0
-    assert locker.try_acquire("direct") is not None
-
-
-def test_lock_context_raises_lease_lost_if_taken_over(db: Db) -> None:
-    a, b = db.locker(), db.locker()
-    with pytest.raises(LeaseLost):
-        with a.lock("x", ttl=0.05):
-            b.acquire("x", timeout=10)  # waits for the expiry, then takes over
-
-
-def test_acquire_waits_for_release(locker: Locker) -> None:
-    first = locker.try_acquire("w", ttl=30)
-    got: list[Lease] = []
-    waiter = threading.Thread(target=lambda: got.append(locker.acquire("w", timeout=30)))
-    waiter.start()
-    first.release()
-    waiter.join(30)
-    assert got and got[0].token > first.token
-
-
-def test_acquire_waits_for_expiry(locker: Locker) -> None:
-    first = locker.try_acquire("e", ttl=0.2)
-    second = locker.acquire("e", timeout=30)
-    assert second.token > first.token
-    assert first.release() is False
-
-
-def test_acquire_times_out(locker: Locker) -> None:
-    locker.try_acquire("busy", ttl=30)
-    with pytest.raises(LockNotAcquired) as info:
-        locker.acquire("busy", timeout=0.05)
-    assert "busy" in str(info.value)
-    with pytest.raises(LockNotAcquired):
-        locker.acquire("busy", timeout=0)  # one attempt
-    with pytest.raises(LockNotAcquired):
-        with locker.lock("busy", timeout=0):
-            pass
-
-
-def test_locker_default_timeout(db: Db) -> None:
-    locker = db.locker(timeout=0.05)
-    locker.try_acquire("busy")
-    with pytest.raises(LockNotAcquired):
-        locker.acquire("busy")
-
-
-def test_leases_lists_unexpired_with_database_remaining(locker: Locker) -> None:
-    a = locker.try_acquire("a", ttl=30)
-    locker.try_acquire("b", ttl=60)
-    locker.try_acquire("gone").release()
-    infos = locker.leases()
-    assert [i.name for i in infos] == ["a", "b"]
-    assert infos[0].owner == a.owner and infos[0].token == a.token
-    assert 29 < infos[0].remaining <= 30.01 and 59 < infos[1].remaining <= 60.01
-    assert infos[0].expires_at.tzinfo is not None
-
-
-def test_prune_drops_idle_rows_and_tokens_keep_growing(db: Db) -> None:
-    locker = db.locker()
-    held = locker.try_acquire("held", ttl=60)
-    last = None
-    for name in ("a", "b", "c"):
-        last = locker.try_acquire(name)
-        last.release()
-    hour = "interval '1 hour'" if db.backend == "postgresql" else "3600"
-    db.query(f"UPDATE {db.table} SET acquired_at = acquired_at - {hour} WHERE name <> 'held'")
-    removed = locker.prune(older_than=60)
-    names = {r[0] for r in db.rows()}
-    # "c" holds the largest token on SQLite and is kept there, so max(token) never falls.
-    assert "held" in names and "a" not in names and "b" not in names
-    assert removed == (2 if db.backend == "sqlite" else 3)
-    again = locker.try_acquire("a")
-    assert again.token > last.token and again.token > held.token
 
 
 def test_embedded_default_needs_no_setup(tmp_path, monkeypatch) -> None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import inspect
 import pickle
 import time
+from datetime import datetime
 from typing import Any
 
 import pytest
 
 from dblock import DBLockError, LeaseLost, LockNotAcquired
 from dblock._acompat import join, sleep, spawn
-from dblock import Locker
+from dblock import Lease, Locker
 
 from .conftest import Db
 from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
@@ -427,3 +428,112 @@ def test_on_lost_without_renew_is_refused(db: Db) -> None:
         with pytest.raises(ValueError):
             locker.acquire("x", on_lost=print)
         assert db.rows() == []
+
+
+# -- the API, call by call ---------------------------------------------------------------
+def test_try_acquire_grants_then_refuses(db: Db) -> None:
+    with make(db) as locker:
+        lease = locker.try_acquire("report", ttl=30)
+        assert isinstance(lease, Lease)
+        assert lease.name == "report" and isinstance(lease.token, int) and lease.token >= 1
+        assert len(lease.owner) == 32
+        assert isinstance(lease.expires_at, datetime) and lease.expires_at.tzinfo is not None
+        assert 29 < lease.remaining() <= 30
+        assert locker.try_acquire("report") is None
+        assert locker.try_acquire("other") is not None
+
+
+def test_tokens_grow_across_names_and_grants(db: Db) -> None:
+    with make(db) as locker:
+        tokens = []
+        for i in range(20):
+            lease = locker.try_acquire(f"n{i % 3}")
+            assert lease is not None
+            tokens.append(lease.token)
+            lease.release()
+        assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_extend_moves_expiry_by_database_clock(db: Db) -> None:
+    with make(db) as locker:
+        lease = locker.try_acquire("x", ttl=5)
+        assert lease is not None
+        before = lease.expires_at
+        lease.extend(ttl=60)
+        assert lease.expires_at > before
+        assert 59 < lease.remaining() <= 60 and lease.ttl == 60
+        lease.extend()  # the lease's own ttl by default
+        assert 59 < lease.remaining() <= 60
+
+
+def test_extend_after_release_raises_lease_lost(db: Db) -> None:
+    with make(db) as locker:
+        lease = locker.try_acquire("x")
+        assert lease is not None
+        lease.release()
+        with pytest.raises(LeaseLost):
+            lease.extend()
+
+
+def test_a_lease_is_a_context_manager(db: Db) -> None:
+    with make(db) as locker:
+        with (locker.try_acquire("direct")) as lease:
+            assert lease.remaining() > 0
+        assert locker.try_acquire("direct") is not None
+
+
+def test_the_lock_block_raises_lease_lost_if_taken_over(db: Db) -> None:
+    with make(db) as a, make(db) as b:
+        with pytest.raises(LeaseLost):
+            with a.lock("x", ttl=0.05):
+                b.acquire("x", timeout=10)  # waits for the expiry, then takes over
+
+
+def test_acquire_times_out_and_the_lockers_default_applies(db: Db) -> None:
+    with make(db) as locker, make(db, timeout=0.05) as short:
+        locker.try_acquire("busy", ttl=30)
+        with pytest.raises(LockNotAcquired) as info:
+            locker.acquire("busy", timeout=0.05)
+        assert "busy" in str(info.value)
+        with pytest.raises(LockNotAcquired):
+            locker.acquire("busy", timeout=0)  # one attempt
+        with pytest.raises(LockNotAcquired):
+            with locker.lock("busy", timeout=0):
+                pass
+        with pytest.raises(LockNotAcquired):
+            short.acquire("busy")  # the Locker's default timeout
+
+
+def test_leases_lists_unexpired_with_database_remaining(db: Db) -> None:
+    with make(db) as locker:
+        a = locker.try_acquire("a", ttl=30)
+        assert a is not None
+        locker.try_acquire("b", ttl=60)
+        gone = locker.try_acquire("gone")
+        assert gone is not None
+        gone.release()
+        infos = locker.leases()
+        assert [i.name for i in infos] == ["a", "b"]
+        assert infos[0].owner == a.owner and infos[0].token == a.token
+        assert 29 < infos[0].remaining <= 30.01 and 59 < infos[1].remaining <= 60.01
+        assert infos[0].expires_at.tzinfo is not None
+
+
+def test_prune_drops_idle_rows_and_tokens_keep_growing(db: Db) -> None:
+    with make(db) as locker:
+        kept = locker.try_acquire("held", ttl=60)
+        assert kept is not None
+        last = None
+        for name in ("a", "b", "c"):
+            last = locker.try_acquire(name)
+            assert last is not None
+            last.release()
+        hour = "interval '1 hour'" if db.backend == "postgresql" else "3600"
+        db.query(f"UPDATE {db.table} SET acquired_at = acquired_at - {hour} WHERE name <> 'held'")
+        removed = locker.prune(older_than=60)
+        names = {r[0] for r in db.rows()}
+        # "c" holds the largest token on SQLite and is kept there, so max(token) never falls.
+        assert "held" in names and "a" not in names and "b" not in names
+        assert removed == (2 if db.backend == "sqlite" else 3)
+        again = locker.try_acquire("a")
+        assert again is not None and last is not None and again.token > last.token and again.token > kept.token
