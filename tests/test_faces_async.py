@@ -19,6 +19,7 @@ import pytest
 from dblock import DBLockError, LeaseLost, LockNotAcquired
 from dblock._acompat import ajoin, asleep, aspawn
 from dblock import AsyncLease, AsyncLocker
+from dblock._core import when
 
 from .conftest import Db
 from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
@@ -541,3 +542,65 @@ async def test_prune_drops_idle_rows_and_tokens_keep_growing(db: Db) -> None:
         assert removed == (2 if db.backend == "sqlite" else 3)
         again = await locker.try_acquire("a")
         assert again is not None and last is not None and again.token > last.token and again.token > kept.token
+
+
+# -- min_hold, read by the database's clock ------------------------------------------------
+def row(db: Db, name: str) -> tuple[Any, int, datetime, datetime | None]:
+    """The lock's row: owner, token, acquired_at and expires_at (database times)."""
+    ((owner, token, acquired, expires),) = db.query(
+        f"SELECT owner, token, acquired_at, expires_at FROM {db.table} WHERE name = %s", (name,)
+    )
+    return owner, token, when(acquired), None if expires is None else when(expires)
+
+
+def span(start: datetime, end: datetime | None) -> float:
+    assert end is not None
+    return (end - start).total_seconds()
+
+
+async def test_a_release_within_the_hold_keeps_the_lease_until_its_grant_plus_the_hold(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.try_acquire("nightly", ttl=60, min_hold=30)
+        assert lease is not None and lease.min_hold == 30 and lease.held_until is None
+        assert await lease.release() is True
+        owner, token, acquired, expires = row(db, "nightly")
+        assert (owner, token) == (lease.owner, lease.token)  # kept: the same owner and token
+        # It ends 30 s after its grant, not at its ttl's 60: the work is done.
+        assert span(acquired, expires) == pytest.approx(30, abs=1e-3)
+        assert lease.held_until == expires and lease.remaining() == 0
+        assert await other.try_acquire("nightly") is None
+        assert [(i.name, i.token) for i in await other.leases()] == [("nightly", lease.token)]
+        assert await lease.release() is False  # once
+        with pytest.raises(LeaseLost):
+            await lease.extend()  # a kept lease must end on time
+        assert row(db, "nightly") == (owner, token, acquired, expires)
+        assert "held until" in repr(lease)
+        (info,) = await other.leases()  # an operator can end it early, as any lease
+        assert await other.force_release(info) is True
+        assert await other.try_acquire("nightly") is not None
+
+
+async def test_a_hold_longer_than_the_ttl_outlives_it_even_once_the_lease_ran_out(db: Db) -> None:
+    """The hold may exceed the ttl (a short ttl renewed, a long period). A lease that ran out
+    while nobody took it is still this holder's, so its release holds it too."""
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.try_acquire("weekly", ttl=0.2, min_hold=60)
+        assert lease is not None
+        await asleep(0.3)
+        assert await lease.release() is True
+        _, _, acquired, expires = row(db, "weekly")
+        assert span(acquired, expires) == pytest.approx(60, abs=1e-3)
+        assert await other.try_acquire("weekly") is None
+
+
+async def test_once_the_hold_has_passed_a_release_ends_the_lease_at_once(db: Db) -> None:
+    """Extended past its hold and released after it: it ends now, not at its later expiry."""
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.try_acquire("done", ttl=0.5, min_hold=0.3)
+        assert lease is not None
+        await lease.extend(ttl=60)
+        await asleep(0.4)
+        assert await lease.release() is True and lease.held_until is None
+        assert row(db, "done")[0] is None
+        taken = await other.try_acquire("done")
+        assert taken is not None and taken.token > lease.token
