@@ -18,7 +18,7 @@ import pytest
 
 from dblock import DBLockError, LeaseLost, LockNotAcquired
 from dblock._acompat import ajoin, asleep, aspawn
-from dblock import AsyncLease, AsyncLocker
+from dblock import AsyncLease, AsyncLocker, AsyncShared
 from dblock._core import when
 
 from .conftest import Db
@@ -604,3 +604,166 @@ async def test_once_the_hold_has_passed_a_release_ends_the_lease_at_once(db: Db)
         assert row(db, "done")[0] is None
         taken = await other.try_acquire("done")
         assert taken is not None and taken.token > lease.token
+
+
+# -- shared leases: read locks and semaphores ---------------------------------------------
+def holding(db: Db, name: str) -> int:
+    """Live shared leases of ``name``, by the database's clock."""
+    now = "now()" if db.backend == "postgresql" else "((julianday('now') - 2440587.5) * 86400.0)"
+    return int(db.query(f"SELECT count(*) FROM {db.table}_holders WHERE name = %s AND expires_at > {now}", (name,))[0][0])
+
+
+def writer_of(db: Db, name: str) -> list[tuple[Any, ...]]:
+    """The exclusive (write) lease of ``name``, if one is held: [(owner, token)]."""
+    return db.query(
+        f"SELECT owner, token FROM {db.table} WHERE name = %s AND owner IS NOT NULL AND owner <> '*shared'", (name,)
+    )
+
+
+def everything(db: Db) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    return db.rows(), db.query(f"SELECT name, owner, token FROM {db.table}_holders ORDER BY owner")
+
+
+async def test_readers_share_and_exclude_a_writer(db: Db) -> None:
+    async with make(db) as locker:
+        r1 = await locker.readers("doc").try_acquire(ttl=30)
+        r2 = await locker.readers("doc").try_acquire(ttl=30)
+        assert isinstance(r1, AsyncLease) and isinstance(r2, AsyncLease) and r1.shared and r2.shared
+        assert r2.token > r1.token and holding(db, "doc") == 2
+        assert await locker.try_acquire("doc", ttl=30) is None  # the write lock is the exclusive lock
+        with pytest.raises(LockNotAcquired):
+            async with locker.write_lock("doc", ttl=30, timeout=0):
+                pass
+        assert await r1.release() is True
+        assert await locker.try_acquire("doc", ttl=30) is None  # one reader left
+        assert await r2.release() is True and holding(db, "doc") == 0
+        w = await locker.try_acquire("doc", ttl=30)
+        assert w is not None and not w.shared and w.token > r2.token
+        assert await locker.readers("doc").try_acquire(ttl=30) is None
+        assert await locker.semaphore("doc", 5).try_acquire(ttl=30) is None
+        await w.release()
+
+
+async def test_read_lock_and_write_lock_contexts(db: Db) -> None:
+    async with make(db) as locker:
+        async with locker.read_lock("ctx", ttl=30) as r:
+            assert r.shared and holding(db, "ctx") == 1
+            async with locker.read_lock("ctx", ttl=30, timeout=5) as r2:
+                assert r2.shared and holding(db, "ctx") == 2
+        assert holding(db, "ctx") == 0
+        with pytest.raises(RuntimeError):
+            async with locker.semaphore("ctx", 1).lock(ttl=30):
+                raise RuntimeError("boom")
+        assert holding(db, "ctx") == 0  # released on error too
+        async with locker.write_lock("ctx", ttl=30) as w:
+            assert not w.shared and writer_of(db, "ctx") == [(w.owner, w.token)]
+        assert writer_of(db, "ctx") == []
+        assert repr(locker.semaphore("ctx", 3)) == "<AsyncShared 'ctx' semaphore limit=3>"
+        assert isinstance(locker.readers("ctx"), AsyncShared)
+
+
+async def test_a_semaphore_grants_at_most_its_limit(db: Db) -> None:
+    async with make(db) as locker:
+        sem = locker.semaphore("sem", 3)
+        leases = [await sem.try_acquire(ttl=30) for _ in range(3)]
+        assert all(lease is not None and lease.shared for lease in leases)
+        assert await sem.try_acquire(ttl=30) is None
+        with pytest.raises(LockNotAcquired):
+            await sem.acquire(ttl=30, timeout=0)
+        assert holding(db, "sem") == 3
+        assert leases[0] is not None and await leases[0].release()
+        again = await sem.try_acquire(ttl=30)
+        assert again is not None and again.token > max(lease.token for lease in leases if lease)
+
+
+async def test_disagreeing_limits_hold_to_the_smallest_live_one(db: Db) -> None:
+    async with make(db) as locker:
+        small = await locker.semaphore("mix", 2).try_acquire(ttl=30)
+        assert small is not None
+        big = locker.semaphore("mix", 5)
+        assert await big.try_acquire(ttl=30) is not None  # 1 < 2 and 1 < 5
+        assert await big.try_acquire(ttl=30) is None  # 2 live: the limit-2 holder would see 3
+        assert await locker.readers("mix").try_acquire(ttl=30) is None  # a reader too respects the live limit
+        with pytest.raises(LockNotAcquired):
+            await big.acquire(ttl=30, timeout=0.2)  # waiting does not get round it either
+        assert await small.release()
+        assert await big.try_acquire(ttl=30) is not None  # the limit-2 holder left: 5 binds now
+        assert await locker.semaphore("mix", 2).try_acquire(ttl=30) is None  # 2 live, its own limit is 2
+        assert await locker.semaphore("mix", 3).try_acquire(ttl=30) is not None
+
+
+async def test_renewal_keeps_a_shared_lease_alive_past_its_ttl(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        lease = await locker.semaphore("ren", 1).try_acquire(ttl=0.3, renew=True)
+        assert lease is not None and lease.shared
+        await asleep(1.2)  # four TTLs
+        assert not lease.lost.is_set() and lease.remaining() > 0
+        assert holding(db, "ren") == 1  # its row, by the database's clock
+        assert await other.semaphore("ren", 1).try_acquire(ttl=30) is None
+        assert await lease.release() is True
+        assert holding(db, "ren") == 0
+
+
+async def test_extend_and_a_stale_holder(db: Db) -> None:
+    """G3 for an async shared lease: extend works while it holds; once it ran out and the next
+    grant forgot it, its extend raises LeaseLost and its release changes nothing."""
+    async with make(db) as locker:
+        sem = locker.semaphore("st", 1)
+        lease = await sem.acquire(ttl=5, timeout=5)
+        await lease.extend(10)
+        assert lease.ttl == 10 and 9 < lease.remaining() <= 10
+        await lease.release()
+        stale = await sem.try_acquire(ttl=0.05)
+        assert stale is not None
+        await asleep(0.1)
+        fresh = await sem.try_acquire(ttl=30)
+        assert fresh is not None and fresh.token > stale.token
+        before = db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner")
+        with pytest.raises(LeaseLost):
+            await stale.extend(30)
+        assert stale.lost.is_set()
+        assert await stale.release() is False
+        assert db.query(f"SELECT name, owner, token, expires_at FROM {db.table}_holders ORDER BY owner") == before
+        (info,) = [i for i in await locker.leases() if i.name == "st"]
+        assert info.shared and info.limit == 1 and await locker.force_release(info) is True
+        assert holding(db, "st") == 0
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, "2", True, None, 2**31])
+async def test_g7_bad_limits_are_refused_and_change_nothing(db: Db, limit: object) -> None:
+    async with make(db) as locker:
+        before = everything(db)
+        with pytest.raises((TypeError, ValueError)):
+            locker.semaphore("x", limit)  # type: ignore[arg-type]
+        assert everything(db) == before
+
+
+@pytest.mark.parametrize(
+    "bad", [{"ttl": 0}, {"ttl": -1}, {"ttl": "1"}, {"ttl": float("nan")}, {"timeout": -1}, {"timeout": "1"}], ids=repr
+)
+async def test_g7_bad_ttls_and_timeouts_are_refused_and_change_nothing(db: Db, bad: dict) -> None:
+    async with make(db) as locker:
+        before = everything(db)
+        for side in (locker.semaphore("x", 2), locker.readers("x")):
+            with pytest.raises((TypeError, ValueError)):
+                await side.acquire(**bad)
+            with pytest.raises((TypeError, ValueError)):
+                side.lock(**bad)
+            if "timeout" not in bad:
+                with pytest.raises((TypeError, ValueError)):
+                    await side.try_acquire(**bad)
+        with pytest.raises((TypeError, ValueError)):
+            locker.read_lock("x", **bad)
+        with pytest.raises(ValueError):
+            await locker.readers("x").acquire(on_lost=print)  # on_lost without renew
+        assert everything(db) == before
+
+
+@pytest.mark.parametrize("name", ["", "x" * 256, "a\x00b", 5], ids=repr)
+async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+    async with make(db) as locker:
+        before = everything(db)
+        for side in (locker.readers, lambda n: locker.semaphore(n, 2), locker.read_lock, locker.write_lock):
+            with pytest.raises((TypeError, ValueError)):
+                side(name)  # type: ignore[operator]
+        assert everything(db) == before

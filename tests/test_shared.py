@@ -243,47 +243,6 @@ def test_violations_sees_a_writer_with_a_reader() -> None:
     assert not violations([(0, 1, "w", None, 1), (1, 2, "s", 2, 2), (1, 2, "s", 2, 3), (2, 3, "w", None, 4)])
 
 
-# -- the grant rule --------------------------------------------------------------------
-def test_readers_share_and_exclude_the_writer(locker: Locker) -> None:
-    r1 = locker.readers("doc").try_acquire(ttl=30)
-    r2 = locker.readers("doc").try_acquire(ttl=30)
-    assert r1 is not None and r2 is not None and r1.shared and r2.shared
-    assert locker.try_acquire("doc", ttl=30) is None  # the write lock is the exclusive lock
-    r1.release()
-    assert locker.try_acquire("doc", ttl=30) is None  # one reader left
-    r2.release()
-    w = locker.try_acquire("doc", ttl=30)
-    assert w is not None and not w.shared
-    assert locker.readers("doc").try_acquire(ttl=30) is None
-    assert locker.semaphore("doc", 5).try_acquire(ttl=30) is None
-    w.release()
-    assert locker.readers("doc").try_acquire(ttl=30) is not None
-
-
-def test_semaphore_grants_at_most_its_limit(locker: Locker) -> None:
-    sem = locker.semaphore("pool", 3)
-    held = [sem.try_acquire(ttl=30) for _ in range(3)]
-    assert all(held) and len({lease.token for lease in held if lease}) == 3
-    assert sem.try_acquire(ttl=30) is None
-    assert held[0] is not None and held[0].release()
-    assert sem.try_acquire(ttl=30) is not None
-    assert sem.try_acquire(ttl=30) is None
-
-
-def test_disagreeing_limits_hold_to_the_smallest_live_one(locker: Locker) -> None:
-    """A grant needs fewer live leases than its own limit and every live holder's."""
-    small = locker.semaphore("mix", 2).try_acquire(ttl=30)
-    assert small is not None
-    big = locker.semaphore("mix", 5)
-    assert big.try_acquire(ttl=30) is not None  # 1 < 2 and 1 < 5
-    assert big.try_acquire(ttl=30) is None  # 2 live: the limit-2 holder would see 3
-    assert locker.readers("mix").try_acquire(ttl=30) is None  # a reader too respects the live limit
-    small.release()
-    assert big.try_acquire(ttl=30) is not None  # the limit-2 holder left: 5 binds now
-    assert locker.semaphore("mix", 2).try_acquire(ttl=30) is None  # 2 live, its own limit is 2
-    assert locker.semaphore("mix", 3).try_acquire(ttl=30) is not None
-
-
 def test_an_expired_writer_is_taken_over_by_readers_and_its_verbs_fail(locker: Locker) -> None:
     w = locker.try_acquire("exp", ttl=0.05)
     assert w is not None
@@ -368,15 +327,6 @@ def test_prune_keeps_names_with_live_holders(db: Db, locker: Locker) -> None:
     time.sleep(0.05)
     locker.prune(0.01)
     assert locker.try_acquire("keep", ttl=30) is None
-    assert lease.release()
-
-
-def test_renewal_keeps_a_shared_lease(locker: Locker) -> None:
-    lease = locker.semaphore("ren", 1).try_acquire(ttl=0.3, renew=True)
-    assert lease is not None
-    time.sleep(1.0)
-    assert not lease.lost.is_set() and lease.remaining() > 0
-    assert locker.semaphore("ren", 1).try_acquire(ttl=30) is None
     assert lease.release()
 
 
@@ -711,38 +661,6 @@ def test_a_writers_release_wakes_the_readers_it_admits(pg: Db) -> None:
     for lease in leases:
         assert lease.release()
     assert joined(*writer).token > max(lease.token for lease in leases)
-
-
-# -- G7: bad input refused before any SQL ------------------------------------------------
-@pytest.mark.parametrize("limit", [0, -1, 1.5, "2", True, None, 2**31])
-def test_bad_limits_are_refused_and_change_nothing(db: Db, limit: object) -> None:
-    locker = db.locker()
-    before = db.rows()
-    with pytest.raises((TypeError, ValueError)):
-        locker.semaphore("x", limit)  # type: ignore[arg-type]
-    assert db.rows() == before
-
-
-@pytest.mark.parametrize("bad", [{"ttl": 0}, {"ttl": -1}, {"ttl": "1"}, {"timeout": -1}])
-def test_bad_ttls_and_timeouts_are_refused_and_change_nothing(db: Db, bad: dict) -> None:
-    locker = db.locker()
-    before = db.rows()
-    for side in (locker.semaphore("x", 2), locker.readers("x")):
-        with pytest.raises((TypeError, ValueError)):
-            side.acquire(**bad)
-        if "timeout" not in bad:
-            with pytest.raises((TypeError, ValueError)):
-                side.try_acquire(**bad)
-    assert db.rows() == before
-
-
-@pytest.mark.parametrize("name", ["", "x" * 256, "a\x00b", 5])
-def test_bad_names_are_refused(db: Db, name: object) -> None:
-    locker = db.locker()
-    with pytest.raises((TypeError, ValueError)):
-        locker.semaphore(name, 2)  # type: ignore[arg-type]
-    with pytest.raises((TypeError, ValueError)):
-        locker.readers(name)  # type: ignore[arg-type]
 
 
 # -- what a shared lease's token fences (README, "Shared locks and semaphores") ---------------
