@@ -310,7 +310,8 @@ class AsyncAcquirer:
             except DatabaseUnavailable as exc:
                 self.abandon(name, owner, ttl, attempt.limit)  # our entry dies with its own deadline anyway
                 attempt.sent = False
-                raise self._out_of_time(name, timeout, core.left_line_failed(exc, outage, queued_at is not None)) from exc
+                failure = core.left_line_failed(exc, outage, queued_at is not None)
+                raise self._out_of_time(name, timeout, failure) from exc
             if handed is not None:
                 # A release handed us the lease, or an attempt whose reply was
                 # lost granted it. Either way after the last attempt that came

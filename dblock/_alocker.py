@@ -318,9 +318,8 @@ class AsyncLocker:
             runs holding the lock, as ``Locker.locked`` (name templates, ``dblock.current_lease()``)."""
             from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
-            return locked(
-                self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold  # type: ignore[arg-type]
-            )
+            options: dict[str, Any] = dict(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
+            return locked(self, name, **options)
 
     else:
 
@@ -475,7 +474,9 @@ class AsyncLocker:
         key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
         ended = (await self._verbs.end(key, self._deadline(), shared=lease.shared)).ended
         if ended:
-            release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
+            release_log.info(
+                "ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label
+            )
         return ended
 
     async def prune(self, older_than: float) -> int:

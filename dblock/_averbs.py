@@ -116,7 +116,8 @@ class AsyncVerbs:
 
     async def beat(self) -> None:
         """This process's fair waiters are alive for ``lapse`` more seconds."""
-        await self.driver.run(self.backend.queue.beat, {"proc": self._proc(), "lapse": self._lapse}, deadline=self.deadline())
+        binds = {"proc": self._proc(), "lapse": self._lapse}
+        await self.driver.run(self.backend.queue.beat, binds, deadline=self.deadline())
 
     # -- a lease's verbs -------------------------------------------------------
     # ``shared``: a reader's or semaphore holder's lease, whose verbs are the shared statements.

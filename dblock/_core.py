@@ -75,7 +75,8 @@ def shared_kind(limit: int | None | bool) -> bool:
 
 
 def limit_bind(limit: int | None | bool) -> int | None:
-    """The ``limit`` bind of ``statements.share_enqueue`` / ``share_acquire`` for a wait's ``limit``."""
+    """The ``limit`` bind of ``queue.share_enqueue`` / ``sql.share_acquire`` (``dblock.backends``)
+    for a wait's ``limit``."""
     return None if isinstance(limit, bool) else limit
 
 
@@ -89,8 +90,8 @@ class Ended(NamedTuple):
 
 
 def holds(min_hold: float) -> bool:
-    """Whether a lease's release goes through ``statements.release_held``: it has a minimum hold.
-    Without one (0), release sends the plain ``statements.release``, as before holds existed."""
+    """Whether a lease's release goes through ``sql.release_held`` (``dblock.backends``): it has a
+    minimum hold. Without one (0), release sends the plain ``sql.release``, as before holds existed."""
     return min_hold > 0
 
 

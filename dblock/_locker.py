@@ -455,7 +455,9 @@ class Locker:
         key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
         ended = (self._verbs.end(key, self._deadline(), shared=lease.shared)).ended
         if ended:
-            release_log.info("ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label)
+            release_log.info(
+                "ended the lease on %r (token %s, held by %s) by force", lease.name, lease.token, lease.label
+            )
         return ended
 
     def prune(self, older_than: float) -> int:
