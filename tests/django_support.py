@@ -75,6 +75,9 @@ def django_env(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             if key.startswith(("DJANGO_", "DBLOCK_DJANGO_")):
                 patch.setenv(key, value)
         django.setup()
+    # A connection Django opened for an earlier test file of this process may be dead by now
+    # (a test restarted the throwaway server since): start from fresh ones.
+    connections.close_all()
     try:
         for alias in ("default", "sqlite"):
             call_command("migrate", database=alias, verbosity=0)
