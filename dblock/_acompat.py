@@ -28,6 +28,8 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Awaitable, Callable, Coroutine, Protocol, TypeVar, Union
 
+from ._core import wait_seconds
+
 T = TypeVar("T")
 
 ACondition = asyncio.Condition
@@ -158,7 +160,7 @@ def spawn(work: Callable[[], None], name: str) -> threading.Thread:
 
 
 def event_wait(event: threading.Event, timeout: float | None) -> bool:
-    return event.wait(None if timeout is None or timeout == math.inf else max(timeout, 0.0))
+    return event.wait(None if timeout is None else wait_seconds(timeout))
 
 
 def join(worker: Worker | None, timeout: float) -> None:

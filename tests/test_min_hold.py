@@ -13,7 +13,6 @@ import re
 import sys
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,27 +20,14 @@ import psycopg
 import pytest
 
 from dblock import LeaseLost, Locker, LockNotAcquired
-from dblock._core import when
 
 from .conftest import Db, libpq_dsn, wait_for, warm_waiting
 from .pgproxy import PgProxy
+from .test_faces_async import row, span  # the lock's row by the database clock
 from .test_waiting import count_statements, in_thread, joined, queue
 from .workers import run_together
 
 HERE = Path(__file__).resolve().parent
-
-
-def row(db: Db, name: str) -> tuple[Any, int, datetime, datetime | None]:
-    """The lock's row: owner, token, acquired_at and expires_at (database times)."""
-    ((owner, token, acquired, expires),) = db.query(
-        f"SELECT owner, token, acquired_at, expires_at FROM {db.table} WHERE name = %s", (name,)
-    )
-    return owner, token, when(acquired), None if expires is None else when(expires)
-
-
-def span(start: datetime, end: datetime | None) -> float:
-    assert end is not None
-    return (end - start).total_seconds()
 
 
 # -- what a release does with a hold ------------------------------------------------------
