@@ -183,16 +183,6 @@ async def test_readers_share_and_hold_off_a_writer(db: Db) -> None:
         await writer.release()
 
 
-async def test_renewal_keeps_a_lease_past_its_ttl(db: Db) -> None:
-    async with make(db) as locker, make(db) as other:
-        lease = await locker.try_acquire("renewed", ttl=0.6, renew=True)
-        assert lease is not None
-        await asleep(1.5)
-        assert not lease.lost.is_set() and lease.remaining() > 0
-        assert await other.try_acquire("renewed", ttl=30) is None
-        assert await lease.release() is True
-
-
 async def test_a_release_hands_the_lease_to_a_waiter_with_a_larger_token(db: Db) -> None:
     """A waiter (a task, or a thread on the sync face) gets the lease once its holder releases it,
     well before the holder's ttl: by the fair queue's hand-off where there is one, else by polling."""

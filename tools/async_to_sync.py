@@ -41,6 +41,7 @@ SOURCES = [
     ("dblock/_alocker.py", "dblock/_locker.py"),
     # What both faces promise, tested once.
     ("tests/test_faces_async.py", "tests/test_faces.py"),
+    ("tests/test_renew_faces_async.py", "tests/test_renew_faces.py"),
 ]
 
 RENAMES = {
@@ -90,6 +91,7 @@ RENAMES = {
     "aclose": "close",
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
+    "test_faces_async": "test_faces",
 }
 
 _ASYNC_BLOCK = re.compile(r"^(?P<indent>[ ]*)if True:  # ASYNC\n", re.M)
