@@ -83,6 +83,15 @@ def target() -> tuple[str, str | None]:
     return attributes["dblock_table"], attributes["dblock_schema"]
 
 
+def backend() -> type[backends.Backend]:
+    """For dblock's migration scripts: the backend of the database being migrated (online or
+    offline), whose ``caps`` say which parts of a revision apply to it. A database dblock
+    does not run on is refused with a ValueError naming the ones it does."""
+    from alembic import context
+
+    return backends.of(context.get_context().dialect)
+
+
 def exclude_dblock(
     *tables: str, schema: str | None = None, include_object: IncludeObject | None = None
 ) -> IncludeObject:

@@ -15,6 +15,7 @@ from alembic import context
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.schema import CreateSchema
 
+from dblock.backends import of
 from dblock.schema import DEFAULT_TABLE, version_table_name
 
 config = context.config
@@ -24,7 +25,7 @@ schema = config.attributes.setdefault("dblock_schema", x.get("schema"))
 
 
 def run(connection) -> None:
-    if schema and connection.dialect.name == "postgresql" and not inspect(connection).has_schema(schema):
+    if schema and of(connection).caps.schemas and not inspect(connection).has_schema(schema):
         # The version table lives in the schema too, so make it before Alembic looks.
         # Only when missing: even IF NOT EXISTS needs CREATE on the database,
         # which the role that owns the schema (README, "Least privilege") may lack.
@@ -52,7 +53,7 @@ if context.is_offline_mode():
         version_table_schema=schema,
     )
     with context.begin_transaction():
-        if schema and context.get_context().dialect.name == "postgresql":
+        if schema and of(context.get_context().dialect).caps.schemas:
             context.execute(CreateSchema(schema, if_not_exists=True))  # as online, before the version table
         context.run_migrations()
 elif config.attributes.get("connection") is not None:

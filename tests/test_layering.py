@@ -296,3 +296,45 @@ def test_migrations_use_only_dblocks_public_names() -> None:
     found, met = migration_violations()
     assert found == []
     assert met == FROZEN  # an entry no longer needed goes
+
+
+# -- which database it is ----------------------------------------------------------------------
+# A module asks its backend what the database can do (``backend.caps``), never which one it is;
+# the backends themselves, and the Django adapter (which names Django's vendors), may.
+DATABASE_NAMES = {"postgresql", "postgres", "sqlite", "mysql", "mariadb"}
+MAY_NAME_DATABASES = ("backends/", "contrib/django/")
+
+
+def dialect_comparisons(tree: ast.AST) -> list[int]:
+    """The lines where a comparison names a database (``x == "postgresql"``, ``in ("sqlite", ...)``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                values = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                if any(isinstance(v, ast.Constant) and v.value in DATABASE_NAMES for v in values):
+                    lines.append(node.lineno)
+                    break
+    return lines
+
+
+def test_only_the_backends_compare_database_names() -> None:
+    found = []
+    for root, prefix in ((PACKAGE, "dblock"), (MIGRATIONS, "migrations")):
+        for path in sorted(root.rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if root is PACKAGE and relative.startswith(MAY_NAME_DATABASES):
+                continue
+            found += [f"{prefix}/{relative}:{line}" for line in dialect_comparisons(ast.parse(path.read_text()))]
+    assert found == []
+
+
+def test_the_database_name_rule_catches_what_it_is_for() -> None:
+    caught = ast.parse(
+        'a = dialect.name == "postgresql"\n'
+        'b = "sqlite" != url.get_backend_name()\n'
+        'c = kind in ("mysql", "mariadb")\n'
+        'd = backend.caps.fair_queue\n'
+        'e = sa.Float().with_variant(sa.Float(), "sqlite")\n'
+    )
+    assert dialect_comparisons(caught) == [1, 2, 3]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 
 revision = "dblock_0001"
 down_revision = None
@@ -20,10 +20,10 @@ depends_on = None
 
 def upgrade() -> None:
     table, schema = target()
-    postgresql = op.get_bind().dialect.name == "postgresql"
+    sequence = backend().caps.token_sequence
     # Times: timestamptz on PostgreSQL; Unix seconds on SQLite, which has no time type.
     timestamp = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite")
-    if postgresql:
+    if sequence:
         # One sequence issues every token: CACHE 1 so tokens follow grant order
         # across connections, NO CYCLE so they never wrap.
         op.execute(
@@ -40,17 +40,17 @@ def upgrade() -> None:
         sa.Column("expires_at", timestamp, nullable=True),
         schema=schema,
     )
-    if postgresql:
+    if sequence:
         qualified = f'"{schema}"."{table}"' if schema else f'"{table}"'
         sequence = f'"{schema}"."{table}_token_seq"' if schema else f'"{table}_token_seq"'
         op.execute(f"ALTER SEQUENCE {sequence} OWNED BY {qualified}.token")
     else:
-        # SQLite draws the next token as max(token) + 1: keep that a lookup.
+        # Without a sequence (SQLite) the next token is max(token) + 1: keep that a lookup.
         op.create_index(f"ix_{table}_token", table, ["token"], schema=schema)
 
 
 def downgrade() -> None:
     table, schema = target()
     op.drop_table(table, schema=schema)
-    if op.get_bind().dialect.name == "postgresql":
+    if backend().caps.token_sequence:
         op.execute(sa.schema.DropSequence(sa.Sequence(f"{table}_token_seq", schema=schema), if_exists=True))

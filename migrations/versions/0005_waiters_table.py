@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 from dblock.schema import procs_table_name, queue_function_names, token_sequence_name, waiters_table_name
 
 revision = "dblock_0005"
@@ -44,8 +44,8 @@ def upgrade() -> None:
     op.drop_column(table, "queue", schema=schema)
     # NOT NULL with a constant default: a catalog-only change on PostgreSQL 11+.
     op.add_column(table, sa.Column("waiting", sa.Integer, nullable=False, server_default=sa.text("0")), schema=schema)
-    if op.get_context().dialect.name != "postgresql":
-        return  # SQLite has no queue: its waiters poll
+    if not backend().caps.fair_queue:
+        return  # no fair queue (SQLite): its waiters poll
     op.create_table(
         waiters_table_name(table),
         sa.Column("name", sa.String(255), nullable=False),
@@ -72,7 +72,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     table, schema = target()
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         quote = op.get_context().dialect.identifier_preparer.quote
         prefix = quote(schema) + "." if schema else ""
         for name, args in zip(queue_function_names(table), _SIGNATURES):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from alembic import context, op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 
 revision = "dblock_0006"
 down_revision = "dblock_0005"
@@ -52,7 +52,7 @@ _EDITS = [
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         sql = _enqueue()
         for old, new, _ in _EDITS:
             sql = sql.replace(old, new)
@@ -60,7 +60,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         op.execute(_enqueue())
 
 

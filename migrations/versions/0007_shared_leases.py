@@ -30,7 +30,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 from dblock.schema import (
     SHARED_OWNER,
     holders_table_name,
@@ -65,7 +65,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("name", "owner"),
         schema=schema,
     )
-    statements = _functions(table, schema) if op.get_context().dialect.name == "postgresql" else _triggers(table)
+    # With a fair queue (PostgreSQL), functions that also hand a name to waiting readers and
+    # slots; without one (SQLite), triggers that keep the leases row's token and expiry in step.
+    statements = _functions(table, schema) if backend().caps.fair_queue else _triggers(table)
     for sql in statements:
         op.execute(sql)
 
@@ -73,7 +75,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     table, schema = target()
     quote = op.get_context().dialect.identifier_preparer.quote
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         prefix = quote(schema) + "." if schema else ""
         for name, args in zip(shared_function_names(table), _SIGNATURES):
             op.execute(f"DROP FUNCTION {prefix}{quote(name)}({args})")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 from dblock.schema import (
     SHARED_OWNER,
     holders_table_name,
@@ -57,8 +57,8 @@ _SIGNATURES = (
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
-        return  # SQLite has no queue: its waiters poll
+    if not backend().caps.fair_queue:
+        return  # no fair queue (SQLite): its waiters poll
     table, schema = target()
     op.add_column(
         waiters_table_name(table),
@@ -71,7 +71,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name != "postgresql":
+    if not backend().caps.fair_queue:
         return
     table, schema = target()
     quote = op.get_context().dialect.identifier_preparer.quote

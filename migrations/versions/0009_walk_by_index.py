@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from alembic import context, op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 from dblock.schema import waiters_table_name
 
 revision = "dblock_0009"
@@ -54,7 +54,7 @@ _EDITS = [
 
 
 def upgrade() -> None:
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         sql, waiters = _admit()
         for old, new, _ in _EDITS:
             sql = sql.replace(old.replace("{w}", waiters), new.replace("{w}", waiters))
@@ -62,7 +62,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_context().dialect.name == "postgresql":
+    if backend().caps.fair_queue:
         op.execute(_admit()[0])
 
 
