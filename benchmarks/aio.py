@@ -1,11 +1,17 @@
 """The asyncio API against baselines in the same run: uncontended cost, and 100 tasks on one name.
 
-    python benchmarks/aio.py [--url postgresql://...] [--pairs 500] [--rounds 5]
+    python benchmarks/aio.py [--url postgresql://...] [--pairs 3000] [--block 1] [--rounds 5]
                              [--tasks 100] [--hold 0.001] [--seconds 3]
 
 Uncontended: one acquire + release pair, awaited, on one task: ``AsyncLocker``
 against the same two statements sent by hand on a raw psycopg
-``AsyncConnection`` (the floor the API adds to), and the sync ``Locker``.
+``AsyncConnection`` (the floor the API adds to), and the sync ``Locker``:
+``--pairs`` pairs of each, timed in blocks of ``--block`` pairs, the variants
+taking turns block by block (who goes first rotating), median per pair. Blocks
+of one pair: on two cores a variant's time depends on which server process ran
+just before it, and a pair's neighbours change with every block, so the drift
+of a busy machine hits the variants alike (blocks of 500 pairs gave 1.07-1.21x
+in runs minutes apart; blocks of one, 1.03-1.05x).
 Contended: ``--tasks`` tasks of one process take one name in turn (fair
 waiting, NOTIFY hand-off), each holding it ``--hold`` s; against the sync
 default with as many threads. Per grant: the statements sent (every statement
@@ -171,8 +177,9 @@ def contended_sync(url: Any, table: str, threads: int, hold: float, seconds: flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_URL"))
-    ap.add_argument("--pairs", type=int, default=500)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=3000, help="uncontended pairs of each variant")
+    ap.add_argument("--block", type=int, default=1, help="uncontended pairs timed together")
+    ap.add_argument("--rounds", type=int, default=5, help="contended: rounds of each face (halved)")
     ap.add_argument("--tasks", type=int, default=100)
     ap.add_argument("--hold", type=float, default=0.001)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -189,9 +196,10 @@ def main() -> None:
     table = "bench_" + secrets.token_hex(4)
     Locker(sa_url, table=table).create_schema()
     try:
-        costs = asyncio.run(uncontended(sa_url, dsn, table, args.pairs, args.rounds))
+        blocks = max(1, args.pairs // args.block)
+        costs = asyncio.run(uncontended(sa_url, dsn, table, args.block, blocks))
         floor = costs["raw AsyncConnection"]
-        print(f"uncontended acquire + release, median of {args.rounds} rounds x {args.pairs} pairs")
+        print(f"uncontended acquire + release, median of {blocks} blocks x {args.block} pairs")
         print(f"{'variant':<22}{'us/pair':>10}{'ratio':>8}")
         for variant, us in costs.items():
             print(f"{variant:<22}{us:>10.1f}{us / floor:>8.2f}")
