@@ -12,7 +12,7 @@ import inspect
 import pickle
 import time
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -26,6 +26,15 @@ from .test_guarantees import BAD_NAMES, BAD_TIMEOUTS, BAD_TTLS
 
 if True:  # ASYNC
     pytestmark = pytest.mark.asyncio
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for something that must happen (the face's workers run meanwhile); fail if it does not."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asleep(0.01)
 
 
 def make(db: Db, **options: Any) -> AsyncLocker:
@@ -750,7 +759,7 @@ async def test_g7_bad_ttls_and_timeouts_are_refused_and_change_nothing(db: Db, b
 
 
 @pytest.mark.parametrize("name", ["", "x" * 256, "a\x00b", 5], ids=repr)
-async def test_g7_bad_names_are_refused_and_change_nothing(db: Db, name: object) -> None:
+async def test_g7_bad_names_are_refused_by_shared_locks_and_change_nothing(db: Db, name: object) -> None:
     async with make(db) as locker:
         before = everything(db)
         for side in (locker.readers, lambda n: locker.semaphore(n, 2), locker.read_lock, locker.write_lock):

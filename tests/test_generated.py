@@ -48,3 +48,26 @@ def test_the_rules_drop_async_blocks_and_keep_the_sync_branch() -> None:
         "    with cond:\n"
         "        return Driver().connect(0)\n"
     )
+
+
+def shadowed(tree: ast.Module) -> list[str]:
+    """Module-level functions defined twice: the first never runs (a test that cannot fail)."""
+    seen: set[str] = set()
+    twice = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name in seen:
+                twice.append(f"{node.name} (line {node.lineno})")
+            seen.add(node.name)
+    return twice
+
+
+def test_no_test_is_shadowed_by_a_second_of_its_name() -> None:
+    """Folding twins into one written-once module once left two tests of one name, the first unrun."""
+    found = {
+        path.name: twice
+        for path in sorted((async_to_sync.ROOT / "tests").glob("*.py"))
+        if (twice := shadowed(ast.parse(path.read_text())))
+    }
+    assert found == {}
+    assert shadowed(ast.parse("def test_a(): pass\nasync def test_a(): pass\ndef test_b(): pass\n")) == ["test_a (line 2)"]

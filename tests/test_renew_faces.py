@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -28,18 +28,9 @@ from dblock._acompat import event_wait, join, sleep, running
 
 from .conftest import Db
 from .pgproxy import PgProxy
-from .test_faces import make
+from .test_faces import make, until
 
 import threading
-
-
-def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for something that must happen (the face's workers run meanwhile); fail if it does not."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        sleep(0.01)
 
 
 @pytest.fixture

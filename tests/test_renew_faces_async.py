@@ -16,7 +16,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -26,7 +26,7 @@ from dblock._acompat import aevent_wait, ajoin, asleep, running
 
 from .conftest import Db
 from .pgproxy import PgProxy
-from .test_faces_async import make
+from .test_faces_async import make, until
 
 if True:  # ASYNC
     import asyncio
@@ -34,15 +34,6 @@ if True:  # ASYNC
     pytestmark = pytest.mark.asyncio
 else:
     import threading
-
-
-async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait for something that must happen (the face's workers run meanwhile); fail if it does not."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asleep(0.01)
 
 
 @pytest.fixture

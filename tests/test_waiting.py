@@ -1,4 +1,7 @@
-"""Waiting: the fair queue with NOTIFY hand-offs (PostgreSQL), the local line, timeouts.
+"""Waiting on the sync face alone: the fair queue across processes (order, a dead or lapsed
+waiter skipped, a busy neighbour), forks, the local line's bookkeeping, and the queue
+statements' own races (a concurrent change, a hand-off's expiry and trust, a late statement).
+What both faces promise about waiting is written once in ``test_waiting_faces_async.py``.
 
 Wake-ups are asserted by statement counts (a waiter woken by a hand-off sends
 nothing after joining the queue) and by who got which token, never by time.
@@ -20,12 +23,11 @@ from typing import Any
 
 import pytest
 
-from dblock import Lease, Locker, LockNotAcquired, _wait
+from dblock import Locker, LockNotAcquired
 from dblock._wait import Hotspot
-from dblock.backends.postgresql import APPLICATION_NAME
 
 from .conftest import Db, wait_for, warm_waiting
-from .pgproxy import PgProxy
+from .test_waiting_faces import count_statements
 
 HERE = Path(__file__).resolve().parent
 SLOW = {"poll_min": 60.0, "poll_max": 60.0}  # no poll or fallback wake-up within a test's life
@@ -76,28 +78,7 @@ def waiter_process(db: Db, name: str, timeout: float = 60, mode: str = "fair") -
     )
 
 
-# -- wake on release ---------------------------------------------------------------
-def test_release_hands_the_lease_to_the_queued_waiter_and_wakes_it(pg: Db, proxy: PgProxy) -> None:
-    holder = pg.locker()
-    waiter = Locker(proxy.url, table=pg.table, **SLOW)
-    warm_waiting(pg, waiter)
-    held = holder.try_acquire("n", ttl=60)
-    proxy.reset()
-    t, out = in_thread(lambda: waiter.acquire("n", timeout=120))
-    wait_for(lambda: len(queue(pg, "n")) == 1, what="the waiter to join the queue")
-    assert held.release() is True
-    lease: Lease = joined(t, out)
-    # The release granted it (a fresh token, the waiter's owner id) and woke it:
-    # the waiter sent its one enqueue and nothing after.
-    assert proxy.round_trips == 1
-    assert lease.token > held.token
-    assert pg.query(f"SELECT owner, token FROM {pg.table} WHERE name = 'n'") == [(lease.owner, lease.token)]
-    assert queue(pg, "n") == []
-    assert 0 < lease.remaining() <= lease.ttl
-    assert lease.release() is True
-    waiter.close()
-
-
+# -- across processes --------------------------------------------------------------------
 def test_waiters_are_served_in_arrival_order_across_processes(pg: Db) -> None:
     """FIFO: four processes queue one after another; each releases at once, handing on to the next."""
     holder = pg.locker()
@@ -158,42 +139,6 @@ def test_a_queued_waiter_is_not_starved_by_a_busy_neighbour(pg: Db) -> None:
         t.join(timeout=30)
 
 
-# -- lost wake-ups --------------------------------------------------------------------
-def test_a_holder_that_never_releases_is_followed_at_its_expiry(pg: Db, proxy: PgProxy) -> None:
-    """No release, so no notification: the waiter wakes at the expiry it learned, polls once, wins."""
-    waiter = Locker(proxy.url, table=pg.table, **SLOW)
-    warm_waiting(pg, waiter)
-    holder = subprocess.Popen(
-        [sys.executable, str(HERE / "holder_worker.py"), pg.url, pg.table, "crash", "2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    dead_token = int(holder.stdout.readline())  # type: ignore[union-attr]
-    holder.kill()
-    holder.wait()
-    proxy.reset()
-    lease = waiter.acquire("crash", timeout=30)
-    assert lease.token > dead_token
-    assert proxy.round_trips == 2  # queue (learning the expiry), then the poll at the expiry
-    waiter.close()
-
-
-def test_a_hand_off_whose_notification_is_lost_is_found_by_polling(pg: Db) -> None:
-    """The listener's connection dies while the waiter is queued: it polls instead, and gets the lease."""
-    holder = pg.locker()
-    waiter = pg.locker(poll_min=0.01, poll_max=0.05)
-    warm_waiting(pg, waiter)
-    held = holder.try_acquire("lost", ttl=60)
-    t, out = in_thread(lambda: waiter.acquire("lost", timeout=60))
-    wait_for(lambda: len(queue(pg, "lost")) == 1, what="the waiter to queue")
-    assert waiter._listener is not None and waiter._listener.ident is not None
-    pid = waiter._listener.ident[0]
-    pg.query("SELECT pg_terminate_backend(%s)", (pid,))
-    assert held.release() is True
-    lease = joined(t, out)
-    assert lease.token > held.token
-    waiter.close()
-
-
 def test_a_waiter_whose_process_died_is_skipped(pg: Db) -> None:
     """Its listener session is gone, so the release hands the lease to the next live waiter."""
     holder = pg.locker()
@@ -242,37 +187,7 @@ def test_a_waiter_that_stopped_refreshing_is_skipped(pg: Db) -> None:
     survivor.close()
 
 
-# -- timeouts -----------------------------------------------------------------------
-@pytest.mark.parametrize("options", [{}, {"notify": False}, {"fair": False}], ids=["fair", "fair-poll", "line"])
-def test_a_timeout_with_no_wake_up_leaves_nothing_behind(db: Db, options: dict[str, bool]) -> None:
-    holder = db.locker()
-    held = holder.try_acquire("t", ttl=60)
-    waiter = db.locker(**options, **SLOW)
-    started = time.monotonic()
-    with pytest.raises(LockNotAcquired):
-        waiter.acquire("t", timeout=0.3)
-    assert time.monotonic() - started >= 0.3  # it did wait the whole timeout
-    if db.backend == "postgresql":
-        assert queue(db, "t") == []
-    assert len(waiter._acquirer.hot) == 0
-    assert waiter._listener is None or waiter._listener.waiting() == 0
-    assert held.release() is True
-    assert waiter.try_acquire("t") is not None  # nobody was handed it
-
-
-def test_a_hand_off_at_the_deadline_is_kept(pg: Db) -> None:
-    """The release hands over just before the waiter gives up: leaving the queue finds the lease its own."""
-    holder = pg.locker()
-    held = holder.try_acquire("edge", ttl=60)
-    waiter = pg.locker(notify=False, **SLOW)  # it sleeps to its deadline, no poll in between
-    t, out = in_thread(lambda: waiter.acquire("edge", timeout=1.0))
-    wait_for(lambda: len(queue(pg, "edge")) == 1, what="the waiter to queue")
-    assert held.release() is True
-    lease = joined(t, out)
-    assert lease.token > held.token
-    assert lease.release() is True
-
-
+# -- the queue statements' races ---------------------------------------------------------
 def test_joining_the_queue_waits_for_a_concurrent_change_and_keeps_it(pg: Db) -> None:
     """EvalPlanQual: an enqueue blocked by another transaction's change to the row re-reads it, losing nothing."""
     holder, waiter = pg.locker(), pg.locker(**SLOW)
@@ -369,45 +284,6 @@ def test_a_late_statement_never_shortens_a_lease(pg: Db, verb: str) -> None:
 
 
 # -- resources ------------------------------------------------------------------------
-def test_one_listener_connection_however_many_waits(pg: Db, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_wait, "IDLE_CLOSE", 0.5)
-    holder, waiter = pg.locker(), pg.locker()
-    sessions: set[int] = set()
-
-    def contend() -> None:
-        for _ in range(10):
-            lease = waiter.acquire("many", timeout=30)
-            assert waiter._listener is not None and waiter._listener.ident is not None
-            sessions.add(waiter._listener.ident[0])
-            lease.release()
-
-    held = holder.try_acquire("many", ttl=60)
-    threads = [threading.Thread(target=contend) for _ in range(4)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: len(queue(pg, "many")) == 4, what="all four to queue")
-    held.release()
-    for t in threads:
-        t.join(timeout=60)
-    assert len(sessions) == 1, "more than one listener connection"
-    (pid,) = sessions
-    # Idle for IDLE_CLOSE: the listener closes its connection by itself.
-    wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)),
-             what="the idle listener to close")
-    assert waiter._listener.waiting() == 0
-
-
-def test_close_ends_the_listener(pg: Db) -> None:
-    holder, waiter = pg.locker(), pg.locker()
-    warm_waiting(pg, waiter)
-    assert waiter._listener is not None and waiter._listener.ident is not None
-    pid = waiter._listener.ident[0]
-    assert pg.query("SELECT application_name FROM pg_stat_activity WHERE pid = %s", (pid,)) == [(APPLICATION_NAME,)]
-    waiter.close()
-    wait_for(lambda: not pg.query("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)), what="the listener to close")
-    holder.close()
-
-
 def test_the_local_line_forgets_idle_names() -> None:
     """100k distinct names, some with a queue behind them: nothing stays in the map."""
     hot = Hotspot()
@@ -425,66 +301,6 @@ def test_the_local_line_forgets_idle_names() -> None:
         else:
             hot.leave(name, me)
     assert len(hot) == 0
-
-
-@pytest.mark.parametrize("options", [{}, {"fair": False}], ids=["fair", "line"])
-def test_waiting_on_many_names_keeps_no_state(db: Db, options: dict[str, bool]) -> None:
-    holder, waiter = db.locker(), db.locker(**options)
-    for i in range(200):
-        name = f"k{i}"
-        if i % 20 == 0:  # now and then a contended one that times out
-            held = holder.try_acquire(name, ttl=60)
-            with pytest.raises(LockNotAcquired):
-                waiter.acquire(name, timeout=0.01)
-            held.release()
-        waiter.acquire(name, timeout=5).release()
-    assert len(waiter._acquirer.hot) == 0
-    assert waiter._listener is None or waiter._listener.waiting() == 0
-
-
-def count_statements(locker: Locker) -> list[str]:
-    """Record every statement the Locker sends from now on (its own driver; nothing is faked)."""
-    sent: list[str] = []
-    execute = locker._driver._execute
-
-    def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
-        sent.append(sql)
-        return execute(conn, sql, params)
-
-    locker._driver._execute = counted  # type: ignore[method-assign]
-    return sent
-
-
-def test_threads_of_one_process_take_turns_and_only_the_head_polls(pg: Db) -> None:
-    """fair=False: four threads wait in the local line; a release in this process wakes the next at once."""
-    holder = pg.locker()
-    local = pg.locker(fair=False, **SLOW)
-    holder.try_acquire("line", ttl=0.3)
-    sent = count_statements(local)
-    tokens: list[int] = []
-
-    def take() -> None:
-        lease = local.acquire("line", timeout=30)
-        tokens.append(lease.token)
-        time.sleep(0.005)
-        lease.release()
-
-    threads = [threading.Thread(target=take) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)  # a 60 s backoff: only the local wake-up gets them all through in time
-        assert not t.is_alive()
-    assert len(tokens) == 4 and tokens == sorted(tokens)
-    # The head: a miss and the grant at the expiry; each next head at most a miss
-    # while the previous holds and the grant after its release; four releases.
-    assert len(sent) <= 2 + 3 * 2 + 4, sent
-
-
-def test_waiting_options_are_checked(pg: Db) -> None:
-    for bad in ({"fair": "yes"}, {"notify": 1}):
-        with pytest.raises(TypeError):
-            Locker(pg.url, table=pg.table, **bad)  # type: ignore[arg-type]
 
 
 def listening_waiter(pg: Db) -> tuple[Locker, Locker, int]:
@@ -532,19 +348,6 @@ def test_close_in_a_forked_child_leaves_the_parents_listener_alone(pg: Db) -> No
     lease = waiter.acquire("after-fork", timeout=30)  # handed over through the same listener
     assert lease.token > held.token
     assert waiter._listener.ident is not None and waiter._listener.ident[0] == parent_session
-
-
-def test_a_table_from_before_the_queue_asks_for_a_migration(pg: Db) -> None:
-    from dblock import SchemaMissing, migrate
-
-    locker = pg.locker()
-    migrate.downgrade(locker.engine, pg.table, None, "dblock_0003")
-    pg.locker().try_acquire("old", ttl=60)
-    with pytest.raises(SchemaMissing, match="older dblock.*dblock migrate"):
-        locker.acquire("old", timeout=1)
-    locker.create_schema()
-    assert "waiting" in {c for (c,) in pg.query(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = %s", (pg.table,))}
 
 
 def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:

@@ -42,6 +42,7 @@ SOURCES = [
     # What both faces promise, tested once.
     ("tests/test_faces_async.py", "tests/test_faces.py"),
     ("tests/test_renew_faces_async.py", "tests/test_renew_faces.py"),
+    ("tests/test_waiting_faces_async.py", "tests/test_waiting_faces.py"),
 ]
 
 RENAMES = {
