@@ -34,8 +34,12 @@ def _rebuild(cls: type[DBLockError], message: str) -> DBLockError:
     return exc
 
 
-class LockNotAcquired(DBLockError):
-    """A blocking acquire ran out of time while someone else held the lock."""
+class LockNotAcquired(DBLockError, TimeoutError):
+    """A blocking acquire ran out of time while someone else held the lock.
+
+    Also a ``TimeoutError`` (as filelock's ``Timeout`` and asyncio's timeouts are), so
+    ``except TimeoutError`` catches it; ``name`` and ``timeout`` say which lock and how long.
+    """
 
     def __init__(self, name: str, timeout: float) -> None:
         super().__init__(f"lock {name!r} was not acquired within {timeout:g} s: it is held by another owner")
