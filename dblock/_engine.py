@@ -14,6 +14,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
 from . import backends
+from ._redact import check_userinfo
 from .backends.postgresql import CONVERTED as CONVERTED, psycopg_url as psycopg_url  # importable here as before
 from .backends.sqlite import use_wal as use_wal  # importable here as before
 from .schema import prepare_default_sqlite_path
@@ -39,6 +40,8 @@ def engine_for(url: Any) -> tuple[Engine, bool, bool]:
         return engine, False, made
     if not isinstance(url, (str, URL)):
         raise TypeError(f"url must be a str, a sqlalchemy URL or Engine, or None; not {type(url).__name__}")
+    if isinstance(url, str):
+        check_userinfo(url)
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: e.g. libpq's host list "a:5432,b:5432"

@@ -18,11 +18,13 @@ from sqlalchemy.exc import ArgumentError
 
 MASK = "***"
 
-# scheme://user:SECRET@ ; split as SQLAlchemy splits a URL (user up to the first
-# ':', password up to the next '@'), so what it would send as the password is
-# what is masked. In free text a space ends the URL; in one argv word it does not.
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/]*:)[^\s@]*@")
-_USERINFO_WORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^:/]*:)[^@]*@")
+# scheme://user:SECRET@ ; the user up to the first ':', the password up to the last '@'
+# before the host: SQLAlchemy ends a password at its first '@', so a raw '@' in it
+# would leave the rest in the "host" (dblock refuses such a URL: ``check_userinfo``),
+# and masking to the last '@' keeps all of it out of a message all the same. In free
+# text a space ends the URL; in one argv word it does not.
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s:/@]*:)(?:[^\s@/]*@)+")
+_USERINFO_WORD = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^:/@]*:)(?:[^@/]*@)+")
 # ?password=SECRET or &sslpassword=SECRET in a URL's query: the value ends at '&' or '#'
 # (in free text also at a space or a quote, which a URL would have percent-encoded).
 _QUERY = re.compile(r"""(?i)([?&][\w.-]*password=)[^&#\s"'<>]*""")
@@ -50,6 +52,8 @@ def display_url(url: str | URL) -> str:
         parsed = url
     elif "://" not in url:
         return redact(url)  # a libpq DSN (host=... password=...), or not a URL at all
+    elif raw_ats(url) > 1:
+        return redact_argument(url)  # SQLAlchemy would read part of the password as the host
     else:
         try:
             parsed = make_url(url)
@@ -62,6 +66,23 @@ def display_url(url: str | URL) -> str:
         for one in (value,) if isinstance(value, str) else value:
             pairs.append(f"{quote_plus(key)}={MASK if is_secret(key) else quote_plus(one)}")
     return f"{shown}?{'&'.join(pairs)}" if pairs else shown
+
+
+def raw_ats(url: str) -> int:
+    """How many '@' stand between a URL's ``://`` and its host's end (one at most, in a URL SQLAlchemy
+    reads as meant: a password's own '@' must be percent-encoded as %40)."""
+    authority = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0]
+    return authority.count("@")
+
+
+def check_userinfo(url: str) -> None:
+    """Refuse a URL string whose password holds a raw '@' (SQLAlchemy would take the rest of the
+    password for the host), saying how to write it; the message shows no part of the URL."""
+    if raw_ats(url) > 1:
+        raise ValueError(
+            "the URL has more than one '@' before its host: a password holding '@' (or ':', '/', '?', '#', '%')"
+            " must be percent-encoded, '@' as %40 (urllib.parse.quote(password, safe=''))"
+        )
 
 
 def redact(text: str) -> str:

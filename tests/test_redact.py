@@ -30,8 +30,9 @@ from dblock.locker import describe_process
          "postgresql://app:***@app/app?password=***&application_name=app-nightly"),
         # one letter: the rest stays readable
         ("postgresql://a:a@localhost:5432/data?password=a", "postgresql://a:***@localhost:5432/data?password=***"),
-        # an '@' in the password, unencoded: SQLAlchemy ends it at the first '@' (the host is then "ss@db")
-        ("postgresql://app:p@ss@db/app", "postgresql://app:***@ss@db/app"),
+        # an '@' in the password, unencoded (SQLAlchemy would end it at the first '@'): all of it masked
+        ("postgresql://app:p@ss@db/app", "postgresql://app:***@db/app"),
+        ("postgresql://app:S3cr@tPass!@127.0.0.1/app", "postgresql://app:***@127.0.0.1/app"),
         # nothing secret: shown as it is
         ("postgresql+psycopg://app@db:5432/app?host=/run/postgresql", "postgresql+psycopg://app@db:5432/app?host=%2Frun%2Fpostgresql"),
         ("sqlite:////var/lib/app/locks.db", "sqlite:////var/lib/app/locks.db"),
@@ -47,8 +48,20 @@ from dblock.locker import describe_process
 )
 def test_display_url(url: str, shown: str) -> None:
     assert display_url(url) == shown
-    if "://" in url and "port" not in url:
+    if "://" in url and "port" not in url and url.count("@") < 2:
         assert display_url(make_url(url)) == shown  # a URL object (as an Engine has) renders the same
+
+
+@pytest.mark.parametrize("url", ["postgresql://app:S3cr@tPass!@127.0.0.1/app", "sqlite://u:p@ss@h/x.db",
+                                 "postgresql+psycopg2://app:a@b@db:5432/app?sslmode=require"])
+def test_a_raw_at_in_a_password_is_refused_with_the_way_to_write_it(url: str) -> None:
+    with pytest.raises(ValueError, match="percent-encoded, '@' as %40") as caught:
+        Locker(url)
+    assert "S3cr" not in str(caught.value) and "tPass" not in str(caught.value) and "ss@" not in str(caught.value)
+    # Encoded, the same password is taken (and never shown).
+    encoded = Locker("postgresql://app:S3cr%40tPass!@127.0.0.1/app")
+    assert encoded.engine.url.password == "S3cr@tPass!" and "S3cr" not in repr(encoded)
+    encoded.close()
 
 
 def test_a_password_that_is_everywhere_else_too() -> None:
@@ -70,6 +83,10 @@ def test_redact_free_text() -> None:
     message = 'FATAL:  password authentication failed for user "app"'
     assert redact(message) == message
     assert redact("lock 'app-nightly' is busy") == "lock 'app-nightly' is busy"
+    # A raw '@' in a password: masked to the host, and a path's or a later word's '@' left alone.
+    assert redact("cannot reach postgresql://app:S3cr@tPass!@db/app@x for mail@example.org") == (
+        "cannot reach postgresql://app:***@db/app@x for mail@example.org"
+    )
 
 
 @pytest.mark.parametrize(
@@ -78,6 +95,7 @@ def test_redact_free_text() -> None:
         ("PGPASSWORD=a b", "PGPASSWORD=***"),
         ("--db-password=x y", "--db-password=***"),
         ("postgresql://app:a b@db/app?password=c d&x=1", "postgresql://app:***@db/app?password=***&x=1"),
+        ("--url=postgresql://app:S3cr@t P@ss@db/app", "--url=postgresql://app:***@db/app"),
         ("host=db password='x y' dbname=app", "host=db password=*** dbname=app"),
         ("app-nightly", "app-nightly"),
         ("--password", "--password"),
