@@ -21,6 +21,7 @@ from dblock import _core as core
 
 from .conftest import Db
 from .workers import race_cancel_with_hand_off
+from .test_waiting_faces_async import count_statements
 
 pytestmark = pytest.mark.asyncio
 
@@ -132,14 +133,7 @@ async def test_a_writers_release_admits_the_queued_readers_in_its_own_statement(
     slow = {"poll_min": 60.0, "poll_max": 60.0}
     async with alocker(pg, **slow) as readers, alocker(pg, **slow) as late, alocker(pg) as other:
         held = await other.acquire("n", ttl=60)
-        sent: list[str] = []
-        execute = readers._driver._execute
-
-        async def counted(conn: Any, sql: str, params: dict[str, Any]) -> Any:
-            sent.append(sql)
-            return await execute(conn, sql, params)
-
-        readers._driver._execute = counted  # type: ignore[method-assign]
+        sent = count_statements(readers)
         waits = []
         for n in range(1, 5):
             waits.append(asyncio.create_task(readers.readers("n").acquire(timeout=120)))

@@ -27,7 +27,7 @@ from dblock import Locker, LockNotAcquired
 from dblock._wait import Hotspot
 
 from .conftest import Db, wait_for, warm_waiting
-from .test_waiting_faces import count_statements
+from .test_waiting_faces import background as in_thread, count_statements, joined
 
 HERE = Path(__file__).resolve().parent
 SLOW = {"poll_min": 60.0, "poll_max": 60.0}  # no poll or fallback wake-up within a test's life
@@ -46,28 +46,6 @@ def join_queue_in(conn: Any, db: Db, name: str, owner: str, ttl: float) -> None:
     conn.execute(f"INSERT INTO {db.table}_waiters (name, owner, ttl, proc) VALUES (%s, %s, %s, 'p-' || %s)",
                  (name, owner, ttl, owner))
     conn.execute(f"UPDATE {db.table} SET waiting = waiting + 1 WHERE name = %s", (name,))
-
-
-def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
-def joined(t: threading.Thread, out: dict[str, Any]) -> Any:
-    t.join(timeout=30)
-    assert not t.is_alive(), "the waiter never woke"
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
 
 
 def waiter_process(db: Db, name: str, timeout: float = 60, mode: str = "fair") -> subprocess.Popen[str]:
