@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from sqlalchemy.engine import Engine
 
 from . import backends
+from ._redact import display_url
+
+if TYPE_CHECKING:
+    from .migrate import Migrated
+
+log = logging.getLogger("dblock.migrate")
 
 DEFAULT_TTL = 30.0
 DEFAULT_OP_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 10
 
 
-def make_schema(engine: Engine, table: str, schema: str | None) -> None:
+def make_schema(engine: Engine, table: str, schema: str | None) -> Migrated:
     """``create_schema`` of both faces: dblock's migrations, and what the database needs first (WAL on SQLite)."""
     from . import migrate  # noqa: PLC0415 - Alembic loads only when the schema is made, not on every start
 
     with migrate.database_errors(engine, table):
         backends.of(engine).prepare_database(engine)
-        migrate.upgrade(engine, table, schema)
+        migrated = migrate.upgrade(engine, table, schema)
+    (log.info if migrated.changed else log.debug)("%s in %s", migrated, display_url(engine.url))
+    return migrated

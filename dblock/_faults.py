@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
+
 from sqlalchemy.exc import DBAPIError
 
+from ._redact import MASK
 from .errors import DatabaseUnavailable
-
-_MISSING_SCHEMA_HINT = "run `dblock migrate` or call Locker.create_schema() first"
+from .schema import DEFAULT_TABLE
 
 
 class Busy(DatabaseUnavailable):
@@ -35,6 +37,16 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def missing_schema_hint(upgrade: bool = False) -> str:
-    """What to do about a missing (or, ``upgrade``, an old) table."""
-    return _MISSING_SCHEMA_HINT.replace("first", "to upgrade it") if upgrade else _MISSING_SCHEMA_HINT
+def missing_schema_hint(where: str, table: str, schema: str | None, upgrade: bool = False) -> str:
+    """What to do about a missing (or, ``upgrade``, an old) table: the command that makes it in
+    this very database (``where``, the URL as printed), with the Locker's own table and schema."""
+    command = ["dblock", "migrate", "--url", where]
+    if table != DEFAULT_TABLE:
+        command += ["--table", table]
+    if schema is not None:
+        command += ["--schema", schema]
+    password = " (your password in place of ***)" if MASK in where else ""
+    return (
+        f"run `{shlex.join(command)}`{password}, or call create_schema() on this Locker, "
+        f"{'to upgrade it' if upgrade else 'first'}"
+    )

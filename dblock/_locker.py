@@ -40,11 +40,14 @@ from ._engine import engine_for
 from ._lease_state import LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
-from ._validate import check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl
+from ._validate import (
+    check_blocking, check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl,
+)
 from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine  # needs greenlet at run time; only its URL is read
+    from .migrate import Migrated  # Alembic: imported only when the schema is made
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -157,15 +160,19 @@ class Locker:
         self._closed = False
 
     # -- schema ------------------------------------------------------------
-    def create_schema(self) -> None:
-        """Create or upgrade dblock's tables with its migrations (idempotent).
+    def create_schema(self) -> Migrated:
+        """Create or upgrade dblock's tables with its migrations (idempotent); what it did.
+
+        The answer (``dblock.migrate.Migrated``) says whether the tables were created,
+        upgraded (from which revision to which) or already current, in its ``str()`` too;
+        a change is also logged on the ``dblock.migrate`` logger (INFO).
 
         Tables already current (made by dblock's history or the app's own) are
         left unchanged, needing no privilege beyond reading. Database trouble
         raises ``PermissionDenied``, ``DatabaseUnavailable`` or ``DBLockError``.
         Alembic is synchronous: on asyncio the migration runs on a worker thread.
         """
-        to_thread(make_schema, self.engine, self.table, self.schema)
+        return to_thread(make_schema, self.engine, self.table, self.schema)
 
     def _ensure_schema(self) -> None:
         if self._needs_migration:
@@ -212,19 +219,23 @@ class Locker:
         renew: bool = False,
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
+        blocking: bool = True,
     ) -> Lease:
         """Wait up to ``timeout`` seconds (default: the Locker's, for ever) for ``name``.
 
         Raises LockNotAcquired when the time runs out. Between attempts it sleeps
         a jittered backoff in [d, 2d), d doubling from poll_min to poll_max, and
         never past the moment the current lease is known to end. ``renew``,
-        ``on_lost`` and ``min_hold`` as in ``try_acquire``. On asyncio,
+        ``on_lost`` and ``min_hold`` as in ``try_acquire``. ``blocking=False``
+        (threading's and redis-py's word for it) tries once: LockNotAcquired at
+        once if the name is held. On asyncio,
         cancelling the task leaves the queue, and releases a lease that was
         granted in the meantime, before ``CancelledError`` propagates.
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
+        timeout = self.timeout if timeout is None else timeout
         check_renew(renew, on_lost)
         hold = check_min_hold(min_hold)
         lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout))
@@ -284,6 +295,7 @@ class Locker:
         renew: bool = False,
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
+        blocking: bool = True,
     ) -> _LockContext:
         """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error);
         on asyncio the context manager is an asynchronous one.
@@ -291,6 +303,7 @@ class Locker:
         With ``renew=True`` the lease is extended while the block runs; check
         ``lease.lost`` (or pass ``on_lost``) in long blocks. With ``min_hold``
         the exit keeps the lease until that long after its grant (see ``try_acquire``).
+        ``blocking=False`` tries once, as ``acquire``.
         """
         check_name(name)
         check_renew(renew, on_lost)
@@ -298,7 +311,7 @@ class Locker:
             self,
             name,
             None if ttl is None else check_ttl(ttl),
-            None if timeout is None else check_timeout(timeout),
+            check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
             renew,
             on_lost,
             check_min_hold(min_hold),

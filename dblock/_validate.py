@@ -115,6 +115,21 @@ def check_timeout(timeout: object) -> float:
     return number
 
 
+def check_blocking(blocking: object, timeout: float | None) -> float | None:
+    """threading's ``blocking=``: True waits (``timeout``, checked already, or the Locker's own);
+    False tries once (a timeout of 0)."""
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be True or False, not {type(blocking).__name__}")
+    if blocking:
+        return timeout
+    if timeout not in (None, 0):
+        raise ValueError(
+            "blocking=False tries once and does not wait: give it no timeout (try_acquire() also tries once, "
+            "returning None instead of raising)"
+        )
+    return 0.0
+
+
 def check_interval(value: object, what: str) -> float:
     number = _number(value, what)
     if not 0 < number <= 60:

@@ -574,8 +574,8 @@ def _migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(migrate.sql(display_url(url), args.table, args.schema), end="")
         return 0
     locker = _locker(args, parser)
-    locker.create_schema()
-    print(f"dblock: table {args.table!r} is up to date in {display_url(locker.engine.url)}", file=sys.stderr)
+    migrated = locker.create_schema()
+    print(f"dblock: {migrated} in {display_url(locker.engine.url)}", file=sys.stderr)
     return 0
 
 

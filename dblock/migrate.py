@@ -24,6 +24,7 @@ import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from alembic import command
@@ -147,8 +148,41 @@ def _serialise(conn: Connection, table: str, schema: str | None) -> None:
     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
 
 
-def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "heads") -> None:
-    """Bring dblock's tables to ``revision``, safely when several processes race to do it.
+@dataclass(frozen=True)
+class Migrated:
+    """What ``create_schema()`` (``dblock migrate``) did to the tables of lock table ``table``.
+
+    ``before``: dblock's revision they were at (None: there were none; ``"unrecorded"``: made
+    by another history, the app's own migrations, and at dblock's head). ``after``: the
+    revision they are at now. ``str()`` says it in a sentence.
+    """
+
+    table: str
+    before: str | None
+    after: str
+
+    @property
+    def created(self) -> bool:
+        return self.before is None
+
+    @property
+    def changed(self) -> bool:
+        """Whether this call changed anything (created or upgraded the tables)."""
+        return self.before != self.after and self.before != "unrecorded"
+
+    def __str__(self) -> str:
+        if self.before is None:
+            return f"created the tables of {self.table!r} (revision {self.after})"
+        if self.before == "unrecorded":
+            return f"the tables of {self.table!r} were already current (made by another history); nothing changed"
+        if self.before == self.after:
+            return f"the tables of {self.table!r} were already current (revision {self.after}); nothing changed"
+        return f"upgraded the tables of {self.table!r} from revision {self.before} to {self.after}"
+
+
+def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "heads") -> Migrated:
+    """Bring dblock's tables to ``revision``, safely when several processes race to do it;
+    what it did.
 
     To the head, it first looks without writing: tables already there, made by
     dblock's history or by the app's own (README, "Adding dblock to an existing
@@ -157,9 +191,15 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
     caps = backends.of(engine).caps
     if caps.replication:
         check_replication(engine)
-    if revision == "heads" and _at_head(engine, table, schema):
-        return
     cfg = alembic_config(table, schema)
+    heads, _ = _revisions(cfg)
+    head = max(heads)
+    if revision == "heads":
+        state, recorded = _where(engine, table, schema)
+        if state in ("current", "complete"):
+            before = max(recorded) if state == "current" and recorded else "unrecorded"
+            return Migrated(table, before, head)
+    outcome = _Outcome(table, head if revision == "heads" else revision)
     if not caps.advisory_lock:
         # SQLite's DDL is transactional; BEGIN IMMEDIATE takes the write lock up
         # front so a racing create_schema waits and then finds the tables made.
@@ -167,16 +207,38 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
             conn.exec_driver_sql("BEGIN IMMEDIATE")
             try:
                 cfg.attributes["connection"] = conn
+                outcome.look(conn, schema)
                 command.upgrade(cfg, revision)
             except BaseException:
                 conn.exec_driver_sql("ROLLBACK")
                 raise
             conn.exec_driver_sql("COMMIT")
-        return
+        return outcome.migrated()
     with engine.begin() as conn:
         _serialise(conn, table, schema)
         cfg.attributes["connection"] = conn
+        outcome.look(conn, schema)
         command.upgrade(cfg, revision)
+    return outcome.migrated()
+
+
+class _Outcome:
+    """The revision dblock's tables were at when this migration's turn came (another process
+    may have moved them meanwhile), for ``Migrated``."""
+
+    def __init__(self, table: str, target: str) -> None:
+        self.table = table
+        self.target = target
+        self.before: str | None = None
+
+    def look(self, conn: Connection, schema: str | None) -> None:
+        context = MigrationContext.configure(
+            conn, opts={"version_table": version_table_name(self.table), "version_table_schema": schema}
+        )
+        self.before = context.get_current_revision()
+
+    def migrated(self) -> Migrated:
+        return Migrated(self.table, self.before, self.target)
 
 
 # What the server tells about its replication, readable by any role: the physical WAL
@@ -431,13 +493,13 @@ def _upgrade_offline(context: Any, app: MigrationContext, cfg: Config) -> None:
 _UNREADABLE = frozenset({"<unreadable>"})  # a version table this role may not SELECT from
 
 
-def _at_head(engine: Engine, table: str, schema: str | None) -> bool:
-    """True if dblock's tables are already at its head revision, whichever history made them.
+def _where(engine: Engine, table: str, schema: str | None) -> tuple[str, frozenset[str] | None]:
+    """Where dblock's tables are (``_look``'s state) and what its version table records.
 
     Only reads (the catalog, and version tables where the role may), so the
     README's least-privilege role can call ``create_schema()`` on a current
-    database. False when dblock's own history should run: nothing is there yet,
-    or dblock's version table records an older revision. Raises when the tables
+    database. ``behind`` or ``absent`` when dblock's own history should run: nothing
+    is there yet, or dblock's version table records an older revision. Raises when the tables
     exist but dblock's history cannot bring them up: running it would fail
     half-way on objects that already exist (``locks_token_seq already exists``).
     """
@@ -445,10 +507,8 @@ def _at_head(engine: Engine, table: str, schema: str | None) -> bool:
     # Autocommit: on PostgreSQL a refused SELECT would otherwise abort the rest.
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         state, recorded = _look(conn, table, schema, heads, ours)
-        if state in ("current", "complete"):
-            return True  # complete: the app's history, a newer dblock, or a role that may not read the version table
-        if state in ("behind", "absent"):
-            return False
+        if state in ("current", "complete", "behind", "absent"):
+            return state, recorded
         in_app = _in_alembic_version(conn, schema, ours)
     raise _refusal(engine, table, schema, recorded, ours, in_app)
 

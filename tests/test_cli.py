@@ -423,11 +423,14 @@ def test_migrate_creates_the_tables_and_prints_the_ddl(tmp_path: Path) -> None:
     assert not cli.home.exists()  # printing the DDL touches nothing
     target = tmp_path / "app.db"
     made = cli("migrate", "--url", f"sqlite:///{target}", "--table", "app_locks")
-    assert made.returncode == 0 and "up to date" in made.stderr
+    assert made.returncode == 0 and f"created the tables of 'app_locks' (revision " in made.stderr, made
+    again = cli("migrate", "--url", f"sqlite:///{target}", "--table", "app_locks")
+    assert again.returncode == 0 and "were already current" in again.stderr and "nothing changed" in again.stderr
     ran = cli("run", "--url", f"sqlite:///{target}", "--table", "app_locks", "x", "--", "true")
     assert ran.returncode == 0, ran
     missing = cli("run", "--url", f"sqlite:///{target}", "x", "--", "true")  # table "locks" was never made
-    assert missing.returncode == EXIT_UNAVAILABLE and "dblock migrate" in missing.stderr
+    # The advice names this file (not the embedded default) and the table that is missing.
+    assert missing.returncode == EXIT_UNAVAILABLE and f"dblock migrate --url sqlite:///{target}" in missing.stderr
 
 
 def test_migrate_downgrade_removes_dblocks_tables_only(tmp_path: Path) -> None:

@@ -98,11 +98,33 @@ def test_a_wait_that_runs_out_raises_and_leaves_nothing(db: Db) -> None:
         assert lease is not None
         with pytest.raises(LockNotAcquired) as caught:
             waiter.acquire("busy", timeout=0.2)
-        assert caught.value.name == "busy"
+        assert caught.value.name == "busy" and caught.value.timeout == 0.2
+        assert isinstance(caught.value, TimeoutError)  # as filelock's Timeout and asyncio's timeouts are
         assert pickle.loads(pickle.dumps(caught.value)).name == "busy"
         assert waiter.waiters() == {}  # out of the fair queue too
         assert held(db) == [("busy", lease.token)]
         lease.release()
+
+
+def test_blocking_false_tries_once_as_threadings_locks_do(db: Db) -> None:
+    with make(db) as holder, make(db, timeout=60) as other:
+        lease = holder.try_acquire("b", ttl=60)
+        assert lease is not None
+        with pytest.raises(LockNotAcquired) as caught:
+            other.acquire("b", blocking=False)  # at once, not after the Locker's 60 s
+        assert caught.value.timeout == 0
+        with pytest.raises(LockNotAcquired):
+            with other.lock("b", blocking=False):
+                pass
+        with pytest.raises(ValueError, match="blocking=False tries once"):
+            other.acquire("b", blocking=False, timeout=5)
+        with pytest.raises(TypeError, match="blocking must be True or False"):
+            other.acquire("b", blocking="no")  # type: ignore[arg-type]
+        assert held(db) == [("b", lease.token)] and queued(db) == 0
+        lease.release()
+        got = other.acquire("b", blocking=False)
+        assert got.token > lease.token
+        got.release()
 
 
 def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:

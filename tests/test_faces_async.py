@@ -99,11 +99,33 @@ async def test_a_wait_that_runs_out_raises_and_leaves_nothing(db: Db) -> None:
         assert lease is not None
         with pytest.raises(LockNotAcquired) as caught:
             await waiter.acquire("busy", timeout=0.2)
-        assert caught.value.name == "busy"
+        assert caught.value.name == "busy" and caught.value.timeout == 0.2
+        assert isinstance(caught.value, TimeoutError)  # as filelock's Timeout and asyncio's timeouts are
         assert pickle.loads(pickle.dumps(caught.value)).name == "busy"
         assert await waiter.waiters() == {}  # out of the fair queue too
         assert held(db) == [("busy", lease.token)]
         await lease.release()
+
+
+async def test_blocking_false_tries_once_as_threadings_locks_do(db: Db) -> None:
+    async with make(db) as holder, make(db, timeout=60) as other:
+        lease = await holder.try_acquire("b", ttl=60)
+        assert lease is not None
+        with pytest.raises(LockNotAcquired) as caught:
+            await other.acquire("b", blocking=False)  # at once, not after the Locker's 60 s
+        assert caught.value.timeout == 0
+        with pytest.raises(LockNotAcquired):
+            async with other.lock("b", blocking=False):
+                pass
+        with pytest.raises(ValueError, match="blocking=False tries once"):
+            await other.acquire("b", blocking=False, timeout=5)
+        with pytest.raises(TypeError, match="blocking must be True or False"):
+            await other.acquire("b", blocking="no")  # type: ignore[arg-type]
+        assert held(db) == [("b", lease.token)] and queued(db) == 0
+        await lease.release()
+        got = await other.acquire("b", blocking=False)
+        assert got.token > lease.token
+        await got.release()
 
 
 async def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -145,6 +146,25 @@ def test_create_schema_is_idempotent_and_uses_its_own_version_table(db: Db) -> N
     engine.dispose()
     assert version_table_name(db.table) in tables
     assert "alembic_version" not in tables
+
+
+def test_create_schema_says_what_it_did(db: Db, caplog: pytest.LogCaptureFixture) -> None:
+    locker = db.locker()
+    head = migrate.revisions()[-1]
+    current = locker.create_schema()  # the fixture made the tables
+    assert (current.before, current.after, current.changed) == (head, head, False)
+    assert str(current) == f"the tables of {db.table!r} were already current (revision {head}); nothing changed"
+    migrate.downgrade(locker.engine, db.table, None, "dblock_0007")
+    with caplog.at_level(logging.INFO, logger="dblock.migrate"):
+        upgraded = locker.create_schema()
+    assert (upgraded.before, upgraded.after, upgraded.changed) == ("dblock_0007", head, True)
+    assert str(upgraded) == f"upgraded the tables of {db.table!r} from revision dblock_0007 to {head}"
+    assert any(str(upgraded) in r.getMessage() for r in caplog.records)  # told on the log too
+    migrate.downgrade(locker.engine, db.table, None)
+    created = locker.create_schema()
+    assert created.created and created.changed and created.after == head
+    assert str(created) == f"created the tables of {db.table!r} (revision {head})"
+    locker.close()
 
 
 def test_downgrade_then_upgrade(db: Db) -> None:

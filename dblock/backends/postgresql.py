@@ -238,7 +238,7 @@ class PostgreSQL(Backend):
         return bool(raw.broken or raw.closed)
 
     def translate(self, exc: BaseException) -> DBLockError:
-        return translate(exc, self.where, self.table)
+        return translate(exc, self.where, self.table, self.schema)
 
     # -- fencing -------------------------------------------------------------
     @classmethod
@@ -366,17 +366,17 @@ def _check_driver(url: URL) -> None:
 
 
 # -- errors and connections (the asyncio face's too) -----------------------------------
-def translate(exc: BaseException, where: str, table: str) -> DBLockError:
+def translate(exc: BaseException, where: str, table: str, schema: str | None = None) -> DBLockError:
     """A psycopg error of a lock statement as dblock's own."""
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(exc, psycopg.errors.UndefinedTable):
         return SchemaMissing(
-            f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint()}", sqlstate=sqlstate
+            f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}", sqlstate=sqlstate
         )
     if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)):
         return SchemaMissing(
             f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{missing_schema_hint(upgrade=True)}",
+            f"{missing_schema_hint(where, table, schema, upgrade=True)}",
             sqlstate=sqlstate,
         )
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):

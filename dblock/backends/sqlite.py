@@ -119,7 +119,7 @@ class SQLite(Backend):
         await raw.execute(f"PRAGMA busy_timeout = {ms}")
 
     def translate(self, exc: BaseException) -> DBLockError:
-        return translate(exc, self.where, self.table)
+        return translate(exc, self.where, self.table, self.schema)
 
     # -- fencing -------------------------------------------------------------
     @classmethod
@@ -177,15 +177,15 @@ class SQLite(Backend):
         return DBLockError(f"cannot create or upgrade dblock's table in {path}: {reason}")
 
 
-def translate(exc: BaseException, where: str, table: str) -> DBLockError:
+def translate(exc: BaseException, where: str, table: str, schema: str | None = None) -> DBLockError:
     """A sqlite3 error of a lock statement as dblock's own."""
     text = str(exc)
     if isinstance(exc, sqlite3.OperationalError) and "no such table" in text:
-        return SchemaMissing(f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint()}")
+        return SchemaMissing(f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}")
     if isinstance(exc, sqlite3.OperationalError) and "no such column" in text:
         return SchemaMissing(
             f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{missing_schema_hint(upgrade=True)}"
+            f"{missing_schema_hint(where, table, schema, upgrade=True)}"
         )
     if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
         return Busy(f"{where} stayed locked by another writer for the whole time allowed")
