@@ -3,8 +3,8 @@
 Usage: python wait_worker.py URL TABLE NAME TIMEOUT [fair|poll|line|slow] [write|read|sem:N] [hold]
 Prints "granted TOKEN" or "timeout", then releases at once and exits; with
 "hold", it waits for a line on stdin before it releases (and prints "released").
-Mode "slow" is "fair" with looks a minute apart: only a release's notification
-wakes it in time. The kind: the exclusive (write) lock, a reader, or a holder
+Mode "slow" is "fair" with looks up to a minute apart, "still" with every look a minute
+apart: only a release's notification wakes it in time. The kind: the exclusive (write) lock, a reader, or a holder
 of a semaphore of N. The test reads the queue (``Locker.waiters``) to know
 when this waiter has joined it.
 """
@@ -15,7 +15,10 @@ import sys
 
 from dblock import Locker, LockNotAcquired
 
-MODES = {"fair": {}, "poll": {"notify": False}, "line": {"fair": False}, "slow": {"poll_max": 60.0}}
+MODES = {
+    "fair": {}, "poll": {"notify": False}, "line": {"fair": False}, "slow": {"poll_max": 60.0},
+    "still": {"poll_min": 60.0, "poll_max": 60.0},  # no look of its own within a test: a hand-off wakes it
+}
 
 
 def main() -> None:
