@@ -98,6 +98,7 @@ class AsyncLease(LeaseView):
         before any SQL): a lease kept for its ``min_hold`` must end on time.
         """
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        self._state.check_process(self.name, "extend")
         if self._state.released:
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
         done = await self._keeper.extend(self.name, self.owner, self.token, ttl)
@@ -117,6 +118,7 @@ class AsyncLease(LeaseView):
         also returns True, once: a later call returns False, sending nothing.
         Once the hold has passed, it ends now, as without one.
         """
+        self._state.check_process(self.name, "release")
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
         try:
@@ -155,6 +157,12 @@ class AsyncLease(LeaseView):
             self._keeper.renewer.drop(self._renewal)
 
     async def __aenter__(self) -> AsyncLease:
+        if self._state.ended():
+            # The block would run unprotected: say so before it starts.
+            raise LeaseLost(
+                f"the lease on {self.name!r} (token {self.token}) has already "
+                f"{'been released' if self._state.released else 'been lost'}: acquire the lock again for this block"
+            )
         return self
 
     async def __aexit__(

@@ -100,6 +100,7 @@ class Lease(LeaseView):
         before any SQL): a lease kept for its ``min_hold`` must end on time.
         """
         ttl = self.ttl if ttl is None else check_ttl(ttl)
+        self._state.check_process(self.name, "extend")
         if self._state.released:
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")
         done = self._keeper.extend(self.name, self.owner, self.token, ttl)
@@ -119,6 +120,7 @@ class Lease(LeaseView):
         also returns True, once: a later call returns False, sending nothing.
         Once the hold has passed, it ends now, as without one.
         """
+        self._state.check_process(self.name, "release")
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
         try:
@@ -157,6 +159,12 @@ class Lease(LeaseView):
             self._keeper.renewer.drop(self._renewal)
 
     def __enter__(self) -> Lease:
+        if self._state.ended():
+            # The block would run unprotected: say so before it starts.
+            raise LeaseLost(
+                f"the lease on {self.name!r} (token {self.token}) has already "
+                f"{'been released' if self._state.released else 'been lost'}: acquire the lock again for this block"
+            )
         return self
 
     def __exit__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from datetime import datetime
@@ -40,7 +41,7 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until")
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until", "pid")
 
     def __init__(
         self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
@@ -55,6 +56,15 @@ class LeaseState:
         self.lost: Any = threading.Event() if lost is None else lost
         self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
         self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
+        self.pid = os.getpid()  # the process granted it: a forked child may not end or extend it
+
+    def check_process(self, name: str, verb: str) -> None:
+        """Refuse ``verb`` in a forked child: the lease is its parent's, which may still be using it."""
+        if self.pid != os.getpid():
+            raise RuntimeError(
+                f"the lease on {name!r} belongs to process {self.pid}, the parent of this forked one: "
+                f"only it may {verb} the lease; acquire a lease of the child's own"
+            )
 
     def lose(self) -> None:
         """The holder learned that the lease is gone without its release."""

@@ -328,6 +328,34 @@ def test_close_in_a_forked_child_leaves_the_parents_listener_alone(pg: Db) -> No
     assert waiter._listener.ident is not None and waiter._listener.ident[0] == parent_session
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_cannot_end_or_extend_its_parents_lease(db: Db) -> None:
+    locker = db.locker()
+    lease = locker.try_acquire("parents", ttl=60)
+    assert lease is not None
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        outcome = []
+        try:
+            for verb in (lease.release, lease.extend):
+                try:
+                    verb()
+                    outcome.append("done")
+                except RuntimeError as exc:
+                    outcome.append("refused" if "parent of this forked one" in str(exc) else str(exc))
+            os.write(w, json.dumps(outcome).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(child, 0)
+    assert json.loads(os.read(r, 1000)) == ["refused", "refused"]
+    os.close(r)
+    assert db.query(f"SELECT owner, token FROM {db.table} WHERE name = 'parents'") == [(lease.owner, lease.token)]
+    assert lease.release() is True  # the parent's to end
+    locker.close()
+
+
 def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
     """Every queued entry lapsed or names a session that is gone: nobody is handed the lease."""
     holder = pg.locker()
