@@ -8,6 +8,7 @@ or engine (the app's own) is accepted by converting its URL.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from sqlalchemy.engine import URL, Engine, make_url
@@ -21,11 +22,14 @@ from .schema import prepare_default_sqlite_path
 
 
 def engine_for(url: Any) -> tuple[Engine, bool, bool]:
-    """An engine for ``url``; whether dblock owns the schema (the embedded default);
+    """An engine for ``url`` (None: ``$DBLOCK_URL``, else the embedded default); whether dblock owns
+    the schema (the embedded default);
     whether dblock made the engine (so ``Locker.close`` disposes of it).
 
     ``url`` may also be an ``AsyncEngine``: its URL is what counts.
     """
+    if url is None and os.environ.get("DBLOCK_URL"):
+        url = os.environ["DBLOCK_URL"]  # as the dblock command reads it
     if url is None:
         path = prepare_default_sqlite_path()
         return backends.EMBEDDED.engine_for_url(URL.create("sqlite", database=str(path))), True, True

@@ -483,6 +483,8 @@ def _status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 waiters = None
     if args.name is not None:
         infos = [i for i in infos if i.name == args.name]
+    where = display_url(args.url) if args.url is not None else f"the embedded default {default_sqlite_path()}"
+    print(f"dblock: table {args.table!r} in {where}", file=sys.stderr)  # stdout stays the table (or the JSON)
     if args.json:
         print(json.dumps([_as_json(i, None if waiters is None else waiters.get(i.name, 0)) for i in infos], indent=2))
     elif infos:

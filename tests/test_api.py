@@ -126,3 +126,22 @@ def test_sqlite_acquire_timeout_holds_while_another_writer_has_the_file(db: Db) 
         other.execute("ROLLBACK")
         other.close()
     assert locker.acquire("x", timeout=5) is not None
+
+
+def test_locker_reads_dblock_url_as_the_command_does(db: Db, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("DBLOCK_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DBLOCK_URL", db.url)
+    locker = Locker(table=db.table)  # no url: $DBLOCK_URL, not the embedded default
+    lease = locker.try_acquire("from-env", ttl=30)
+    assert lease is not None
+    assert db.query(f"SELECT owner FROM {db.table} WHERE name = 'from-env'") == [(lease.owner,)]
+    status = subprocess.run([sys.executable, "-m", "dblock", "status", "--table", db.table, "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and '"from-env"' in status.stdout, status
+    assert lease.release() is True
+    locker.close()
+    assert not (tmp_path / "home").exists()  # the embedded default was never made
+    monkeypatch.delenv("DBLOCK_URL")
+    embedded = Locker()
+    assert embedded.engine.url.database == str(tmp_path / "home" / "locks.sqlite3")
+    embedded.close()

@@ -383,6 +383,7 @@ def test_status_table_and_json(cli: Cli, tmp_path: Path) -> None:
 
     other = cli("status", "other")
     assert other.returncode == EXIT_NOT_HELD and other.stdout == "other is not held\n"
+    assert other.stderr.startswith("dblock: table ") and " in " in other.stderr
     (tmp_path / "w" / "stop").touch()
     assert finish(holder)[0] == 0
     assert cli("status").stdout == "no leases held\n"
@@ -390,7 +391,10 @@ def test_status_table_and_json(cli: Cli, tmp_path: Path) -> None:
 
 def test_status_on_the_embedded_default_creates_nothing(tmp_path: Path) -> None:
     cli = Cli(None, tmp_path)
-    assert cli("status").stdout == "no leases held\n"
+    status = cli("status")
+    assert status.stdout == "no leases held\n"
+    # It names the database it read (on stderr: stdout stays the table, or the JSON).
+    assert status.stderr == f"dblock: table 'locks' in the embedded default {cli.home / 'locks.sqlite3'}\n", status
     assert cli("status", "x").returncode == EXIT_NOT_HELD
     assert cli("release", "x", "--force", "--yes").returncode == EXIT_NOT_HELD
     assert not cli.home.exists()
