@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
@@ -64,9 +65,10 @@ class AsyncLocker:
     """Hands out leases on named locks stored in one database.
 
     ``url`` is a SQLAlchemy URL (``postgresql+psycopg://...``, ``sqlite:///file``),
-    an existing ``Engine``, or None for the embedded default: a per-user SQLite
-    file (see ``dblock.schema.default_sqlite_path``) whose table dblock creates
-    on first use. Make one per database (and, on asyncio, per event loop) and
+    an existing ``Engine``, or None: the ``DBLOCK_URL`` environment variable's URL
+    when it is set (as the ``dblock`` command reads it), else the embedded default,
+    a per-user SQLite file (see ``dblock.schema.default_sqlite_path``) whose table
+    dblock creates on first use. Make one per database (and, on asyncio, per event loop) and
     share it. A psycopg2 or asyncpg URL or engine (also an ``AsyncEngine``)
     works too: dblock opens its own psycopg 3 connections from its URL, and
     ``engine`` is then a psycopg 3 engine dblock made (disposed of on close).
@@ -173,6 +175,13 @@ class AsyncLocker:
         return await ato_thread(make_schema, self.engine, self.table, self.schema)
 
     async def _ensure_schema(self) -> None:
+        """Before each verb that sends a statement: refuse a closed Locker, and make the embedded
+        default's tables on first use."""
+        if self._closed:
+            raise RuntimeError(
+                "this AsyncLocker is closed (its connections and renewal ended): make a new one; "
+                "leases it granted may still be released"
+            )
         if self._needs_migration:
             async with self._migrated:
                 if self._needs_migration:
@@ -317,7 +326,7 @@ class AsyncLocker:
 
     if True:  # ASYNC
 
-        def locked(
+        def synchronized(
             self,
             name: str,
             *,
@@ -327,8 +336,8 @@ class AsyncLocker:
             on_lost: AsyncOnLost | None = None,
             min_hold: float | None = None,
         ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
-            """``@locker.locked("report-{customer_id}", ttl=60)`` on a coroutine function: each call
-            runs holding the lock, as ``Locker.locked`` (name templates, ``dblock.current_lease()``)."""
+            """``@locker.synchronized("report-{customer_id}", ttl=60)`` on a coroutine function: each call
+            runs holding the lock, as ``Locker.synchronized`` (name templates, ``dblock.current_lease()``)."""
             from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
             options: dict[str, Any] = dict(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
@@ -336,7 +345,7 @@ class AsyncLocker:
 
     else:
 
-        def locked(
+        def synchronized(
             self,
             name: str,
             *,
@@ -346,7 +355,7 @@ class AsyncLocker:
             on_lost: AsyncOnLost | None = None,
             min_hold: float | None = None,
         ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-            """``@locker.locked("report-{customer_id}", ttl=60)``: each call runs holding the lock.
+            """``@locker.synchronized("report-{customer_id}", ttl=60)``: each call runs holding the lock.
 
             Works on functions and coroutine functions. ``name`` may name the
             function's arguments (``str.format`` fields, defaults applied); a field
@@ -361,6 +370,17 @@ class AsyncLocker:
             from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
             return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
+
+    def locked(self, name: str, **options: Any) -> Any:
+        """Deprecated: ``synchronized``, the decorator, by its old name. In threading, asyncio and
+        redis-py ``locked()`` asks whether a lock is held; here that question is ``is_held(name)``."""
+        warnings.warn(
+            "AsyncLocker.locked() is the decorator, renamed synchronized(); to ask whether a name is held, "
+            "use is_held(name)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.synchronized(name, **options)
 
     # -- shared leases -----------------------------------------------------
     def semaphore(self, name: str, limit: int) -> AsyncShared:
@@ -456,10 +476,22 @@ class AsyncLocker:
         return self._default_label.get() if self.label is None else self.label
 
     # -- operators ---------------------------------------------------------
-    async def leases(self) -> list[LeaseInfo]:
-        """The unexpired leases now, ``remaining`` computed by the database clock."""
+    async def leases(self, name: str | None = None) -> list[LeaseInfo]:
+        """The unexpired leases now, ``remaining`` computed by the database clock; of ``name`` only
+        if given (one statement, by the name's key), exclusive or shared."""
+        if name is not None:
+            check_name(name)
         await self._ensure_schema()
-        return await self._verbs.leases()
+        return await self._verbs.leases(name)
+
+    async def is_held(self, name: str) -> bool:
+        """Whether anyone (this Locker or another) holds an unexpired lease on ``name`` now,
+        exclusive or shared, by the database clock: ``threading.Lock.locked()``'s question.
+
+        An answer about a moment that has passed when it arrives: to act only if the name is
+        free, ``try_acquire`` it instead (one statement that asks and takes).
+        """
+        return bool(await self.leases(name))
 
     async def waiters(self) -> dict[str, int]:
         """How many acquires wait in each name's fair queue now (PostgreSQL; names nobody waits for are absent).
@@ -497,7 +529,7 @@ class AsyncLocker:
 
         Tokens keep growing for a name that is used again after a prune (G2).
         """
-        age = check_ttl(older_than)
+        age = check_ttl(older_than, "older_than")
         await self._ensure_schema()
         return await self._verbs.prune(age)
 

@@ -75,10 +75,13 @@ def check_name(name: object) -> str:
     return check_text(name, "lock name")
 
 
-def check_ttl(ttl: object) -> float:
-    number = _number(ttl, "ttl")
+def check_ttl(ttl: object, what: str = "ttl") -> float:
+    """A span of seconds a lease lasts (or, ``what``, another span checked alike: ``older_than``)."""
+    number = _number(ttl, what)
     if not MIN_TTL <= number <= MAX_TTL:
-        raise ValueError(f"ttl must be between {human_seconds(MIN_TTL)} and {human_seconds(MAX_TTL)}, not {human_seconds(number)}")
+        raise ValueError(
+            f"{what} must be between {human_seconds(MIN_TTL)} and {human_seconds(MAX_TTL)}, not {human_seconds(number)}"
+        )
     return number
 
 

@@ -195,9 +195,11 @@ class Verbs:
             self.end({"name": name, "owner": owner, "token": token}, self.deadline(), shared=shared)
 
     # -- operators -------------------------------------------------------------
-    def leases(self) -> list[LeaseInfo]:
-        """The unexpired leases now, ``remaining`` computed by the database clock."""
-        rows = (self.driver.run(self.backend.sql.leases, {}, deadline=self.deadline())).rows
+    def leases(self, name: str | None = None) -> list[LeaseInfo]:
+        """The unexpired leases now (of ``name`` only, if given), ``remaining`` by the database clock."""
+        sql = self.backend.sql
+        statement, params = (sql.leases, {}) if name is None else (sql.leases_of, {"name": name})
+        rows = (self.driver.run(statement, params, deadline=self.deadline())).rows
         return [
             LeaseInfo(n, o, t, core.when(a), core.when(e), float(r), label, bool(sh), lim)
             for n, o, t, a, e, r, label, sh, lim in rows

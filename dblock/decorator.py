@@ -1,4 +1,4 @@
-"""``@locker.locked(name)``: a function or coroutine function that runs holding a lease.
+"""``@locker.synchronized(name)``: a function or coroutine function that runs holding a lease.
 
 The lock's name may be a template formatted from the call's arguments
 (``"report-{customer_id}"``). While the function runs, ``current_lease()``
@@ -38,8 +38,8 @@ _current: contextvars.ContextVar[Any] = contextvars.ContextVar("dblock_current_l
 
 
 def current_lease() -> Any:
-    """The lease of the innermost ``@locked`` function running in this thread or task, or None
-    (a ``Lease``; an ``AsyncLease`` under ``AsyncLocker.locked``)."""
+    """The lease of the innermost ``@synchronized`` function running in this thread or task, or None
+    (a ``Lease``; an ``AsyncLease`` under ``AsyncLocker.synchronized``)."""
     return _current.get()
 
 
@@ -53,7 +53,7 @@ def locked(
     on_lost: OnLost | None = None,
     min_hold: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """See ``Locker.locked``."""
+    """See ``Locker.synchronized``."""
     if not isinstance(name, str):
         raise TypeError(f"lock name must be a str, not {type(name).__name__}")
     ttl = None if ttl is None else check_ttl(ttl)
@@ -70,7 +70,7 @@ def locked(
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             # The lease would end when the generator is made, long before its items.
-            raise TypeError(f"@locked cannot wrap the generator function {fn.__qualname__}: lock inside it instead")
+            raise TypeError(f"@synchronized cannot wrap the generator function {fn.__qualname__}: lock inside it instead")
         signature = inspect.signature(fn)
         extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
         missing = [f for f in fields if f not in signature.parameters]
@@ -95,7 +95,7 @@ def locked(
 
         if native and not inspect.iscoroutinefunction(fn):
             raise TypeError(
-                f"AsyncLocker.locked wraps coroutine functions; {fn.__qualname__} is not one (use a Locker's @locked)"
+                f"AsyncLocker.synchronized wraps coroutine functions; {fn.__qualname__} is not one (use a Locker's @synchronized)"
             )
         if native:
 

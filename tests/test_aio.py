@@ -257,7 +257,7 @@ async def test_locked_runs_each_call_holding_its_own_name(db: Db) -> None:
     async with alocker(db) as locker:
         seen: list[tuple[str, int]] = []
 
-        @locker.locked("report-{customer}", ttl=5, timeout=0)
+        @locker.synchronized("report-{customer}", ttl=5, timeout=0)
         async def report(customer: str) -> str:
             lease = dblock.current_lease()
             assert isinstance(lease, AsyncLease)
@@ -279,7 +279,7 @@ async def test_locked_runs_each_call_holding_its_own_name(db: Db) -> None:
 async def test_locked_refuses_a_plain_function(db: Db) -> None:
     async with alocker(db) as locker:
         with pytest.raises(TypeError, match="coroutine"):
-            locker.locked("x")(lambda: None)
+            locker.synchronized("x")(lambda: None)
 
 
 async def test_locked_with_min_hold_runs_once_per_period(db: Db) -> None:
@@ -287,7 +287,7 @@ async def test_locked_with_min_hold_runs_once_per_period(db: Db) -> None:
         runs: list[str] = []
 
         def job(where: str, on: AsyncLocker) -> Any:
-            @on.locked("nightly", ttl=5, timeout=0, min_hold=60)
+            @on.synchronized("nightly", ttl=5, timeout=0, min_hold=60)
             async def run() -> None:
                 runs.append(where)
 

@@ -1,4 +1,4 @@
-"""``@locker.locked(...)``: functions and coroutine functions that run holding a lease."""
+"""``@locker.synchronized(...)``: functions and coroutine functions that run holding a lease."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_a_function_runs_holding_the_lock_and_releases_it(db: Db) -> None:
     locker, other = db.locker(), db.locker()
     seen = []
 
-    @locker.locked("nightly", ttl=30)
+    @locker.synchronized("nightly", ttl=30)
     def job(x: int) -> int:
         """The job."""
         lease = current_lease()
@@ -36,7 +36,7 @@ def test_a_function_runs_holding_the_lock_and_releases_it(db: Db) -> None:
 def test_an_error_in_the_function_releases_and_propagates(db: Db) -> None:
     locker = db.locker()
 
-    @locker.locked("failing")
+    @locker.synchronized("failing")
     def job() -> None:
         raise KeyError("boom")
 
@@ -52,7 +52,7 @@ def test_the_name_is_formatted_from_the_bound_arguments_with_defaults(db: Db) ->
     class Order:
         id = 7
 
-    @locker.locked("report-{customer_id}-{kind}-{order.id}")
+    @locker.synchronized("report-{customer_id}-{kind}-{order.id}")
     def report(customer_id: int, order: Order, kind: str = "daily") -> None:
         names.append(current_lease().name)  # type: ignore[union-attr]
 
@@ -67,14 +67,14 @@ def test_a_busy_lock_raises_lock_not_acquired_and_the_function_does_not_run(db: 
     assert held is not None
     ran = []
 
-    @locker.locked("busy", timeout=0)
+    @locker.synchronized("busy", timeout=0)
     def job() -> None:
         ran.append(1)
 
     with pytest.raises(LockNotAcquired) as info:
         job()
     assert info.value.name == "busy" and ran == []
-    waited = locker.locked("busy", timeout=0.2)(job)
+    waited = locker.synchronized("busy", timeout=0.2)(job)
     started = time.monotonic()
     with pytest.raises(LockNotAcquired):
         waited()
@@ -98,7 +98,7 @@ def test_a_bad_template_is_refused_when_decorating(db: Db, template: str, messag
         pass
 
     with pytest.raises(ValueError) as info:
-        locker.locked(template)(job)
+        locker.synchronized(template)(job)
     assert message in str(info.value)
     assert db.rows() == before
 
@@ -108,7 +108,7 @@ def test_bad_calls_and_bad_formatted_names_run_no_sql(db: Db) -> None:
     locker.try_acquire("warm").release()  # type: ignore[union-attr]
     before = db.rows()
 
-    @locker.locked("{key}")
+    @locker.synchronized("{key}")
     def job(key: str) -> None:
         raise AssertionError("must not run")
 
@@ -124,7 +124,7 @@ def test_bad_calls_and_bad_formatted_names_run_no_sql(db: Db) -> None:
 def test_a_template_may_name_keyword_arguments(db: Db) -> None:
     locker = db.locker()
 
-    @locker.locked("task-{queue}")
+    @locker.synchronized("task-{queue}")
     def job(**options: str) -> str:
         return current_lease().name  # type: ignore[union-attr]
 
@@ -138,15 +138,15 @@ def test_a_template_may_name_keyword_arguments(db: Db) -> None:
 def test_bad_options_and_generators_are_refused(db: Db) -> None:
     locker = db.locker()
     with pytest.raises(ValueError, match="ttl"):
-        locker.locked("x", ttl=0)
+        locker.synchronized("x", ttl=0)
     with pytest.raises(ValueError, match="timeout"):
-        locker.locked("x", timeout=-1)
+        locker.synchronized("x", timeout=-1)
     with pytest.raises(ValueError, match="renew=True"):
-        locker.locked("x", on_lost=print)
+        locker.synchronized("x", on_lost=print)
     with pytest.raises(TypeError, match="str"):
-        locker.locked(5)  # type: ignore[arg-type]
+        locker.synchronized(5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="NUL"):
-        locker.locked("a\x00b")
+        locker.synchronized("a\x00b")
 
     def gen() -> object:
         yield 1
@@ -156,13 +156,13 @@ def test_bad_options_and_generators_are_refused(db: Db) -> None:
 
     for fn in (gen, agen):
         with pytest.raises(TypeError, match="generator function"):
-            locker.locked("x")(fn)
+            locker.synchronized("x")(fn)
 
 
 def test_a_lost_lease_raises_lease_lost_after_the_function(db: Db) -> None:
     locker, other = db.locker(), db.locker()
 
-    @locker.locked("short", ttl=0.2)
+    @locker.synchronized("short", ttl=0.2)
     def job() -> None:
         time.sleep(0.3)  # the lease ran out meanwhile, and someone else took it
         assert other.try_acquire("short", ttl=60) is not None
@@ -179,7 +179,7 @@ def test_a_coroutine_function_waits_without_blocking_the_loop(db: Db) -> None:
     ticks: list[int] = []
     inside: list[int] = []
 
-    @locker.locked("async", timeout=10)
+    @locker.synchronized("async", timeout=10)
     async def job(value: int) -> int:
         lease = current_lease()
         assert lease is not None and lease.name == "async"
@@ -213,7 +213,7 @@ def test_a_coroutine_function_gets_a_name_from_its_arguments_and_reports_busy(db
     held = db.locker().try_acquire("user-2", ttl=60)
     assert held is not None
 
-    @locker.locked("user-{user_id}", timeout=0)
+    @locker.synchronized("user-{user_id}", timeout=0)
     async def job(user_id: int) -> str:
         return current_lease().name  # type: ignore[union-attr]
 
@@ -226,7 +226,7 @@ def test_a_coroutine_function_gets_a_name_from_its_arguments_and_reports_busy(db
 def test_a_coroutine_functions_error_releases_and_propagates(db: Db) -> None:
     locker = db.locker()
 
-    @locker.locked("async-error")
+    @locker.synchronized("async-error")
     async def job() -> None:
         await asyncio.sleep(0)
         raise KeyError("boom")
@@ -242,7 +242,7 @@ def test_a_cancelled_waiter_releases_the_lease_it_gets_afterwards(db: Db) -> Non
     assert holder is not None
     ran = []
 
-    @locker.locked("cancelled", timeout=10, renew=True)
+    @locker.synchronized("cancelled", timeout=10, renew=True)
     async def job() -> None:
         ran.append(1)
 

@@ -127,6 +127,81 @@ def test_blocking_false_tries_once_as_threadings_locks_do(db: Db) -> None:
         got.release()
 
 
+def test_an_ended_lease_cannot_guard_a_block(db: Db) -> None:
+    """Entering a released or lost lease raises before the block runs: it would run unprotected."""
+    with make(db) as locker:
+        lease = locker.try_acquire("ended", ttl=30)
+        assert lease is not None
+        lease.release()
+        ran = []
+        with pytest.raises(LeaseLost, match="already been released"):
+            with lease:
+                ran.append(True)
+        lost = locker.try_acquire("ended", ttl=30)
+        assert lost is not None
+        (info,) = locker.leases()
+        locker.force_release(info)
+        with pytest.raises(LeaseLost):
+            lost.extend()
+        with pytest.raises(LeaseLost, match="already been lost"):
+            with lost:
+                ran.append(True)
+        assert ran == []
+
+
+def test_a_closed_locker_refuses_new_work_and_its_leases_still_release(db: Db) -> None:
+    locker = make(db)
+    lease = locker.try_acquire("kept", ttl=30)
+    assert lease is not None
+    locker.close()
+    for call in (
+        lambda: locker.try_acquire("other"),
+        lambda: locker.acquire("other", timeout=1),
+        locker.leases,
+        lambda: locker.prune(60),
+        lambda: locker.semaphore("other", 2).try_acquire(),
+    ):
+        with pytest.raises(RuntimeError, match="is closed"):
+            call()
+    assert held(db) == [("kept", lease.token)]
+    assert lease.release() is True  # what it granted can still be ended
+    assert held(db) == []
+
+
+def test_is_held_asks_the_database_about_one_name(db: Db) -> None:
+    with make(db) as locker, make(db) as other:
+        assert other.is_held("q") is False and other.leases("q") == []
+        lease = locker.try_acquire("q", ttl=30)
+        noise = locker.try_acquire("q2", ttl=30)
+        assert lease is not None and noise is not None
+        assert other.is_held("q") is True  # held by another Locker: the database says so
+        assert [(i.name, i.token) for i in other.leases("q")] == [("q", lease.token)]  # that name only
+        lease.release()
+        assert other.is_held("q") is False
+        reader = locker.readers("q").try_acquire(ttl=30)
+        assert reader is not None and other.is_held("q") is True  # shared leases count too
+        assert [i.shared for i in other.leases("q")] == [True]
+        reader.release()
+        expiring = locker.try_acquire("q", ttl=0.2)
+        assert expiring is not None
+        sleep(0.4)
+        assert other.is_held("q") is False  # expired by the database clock, never released
+        with pytest.raises(ValueError):
+            other.is_held("")
+        noise.release()
+
+
+def test_locked_is_the_old_name_of_synchronized_and_warns(db: Db) -> None:
+    with make(db) as locker:
+        with pytest.warns(DeprecationWarning, match="renamed synchronized.*is_held"):
+            decorate = locker.locked("old-{n}", timeout=0)
+
+        def job(n: int) -> int:
+            return n * 2
+
+        assert decorate(job)(21) == 42
+
+
 def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:
     with make(db) as locker:
         with locker.lock("blk", ttl=30) as lease:
@@ -268,6 +343,16 @@ def test_bad_input_is_refused_before_any_statement(db: Db) -> None:
                 call()
         with pytest.raises(ValueError):
             locker.semaphore("x", 0)
+        # Each error names the parameter the caller gave.
+        for call, word in (
+            (lambda: locker.prune(older_than=-1), "older_than must be"),
+            (lambda: locker.prune(older_than="1h"), "older_than must be a number"),
+            (lambda: locker.try_acquire("x", ttl=-1), "ttl must be"),
+            (lambda: locker.acquire("x", timeout=-1), "timeout must be"),
+            (lambda: locker.try_acquire("x", min_hold=-1), "min_hold must be"),
+        ):
+            with pytest.raises((ValueError, TypeError), match=word):
+                call()
         assert held(db) == [] and locker.open_connections() == 0  # nothing was sent
 
 

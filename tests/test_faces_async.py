@@ -128,6 +128,81 @@ async def test_blocking_false_tries_once_as_threadings_locks_do(db: Db) -> None:
         await got.release()
 
 
+async def test_an_ended_lease_cannot_guard_a_block(db: Db) -> None:
+    """Entering a released or lost lease raises before the block runs: it would run unprotected."""
+    async with make(db) as locker:
+        lease = await locker.try_acquire("ended", ttl=30)
+        assert lease is not None
+        await lease.release()
+        ran = []
+        with pytest.raises(LeaseLost, match="already been released"):
+            async with lease:
+                ran.append(True)
+        lost = await locker.try_acquire("ended", ttl=30)
+        assert lost is not None
+        (info,) = await locker.leases()
+        await locker.force_release(info)
+        with pytest.raises(LeaseLost):
+            await lost.extend()
+        with pytest.raises(LeaseLost, match="already been lost"):
+            async with lost:
+                ran.append(True)
+        assert ran == []
+
+
+async def test_a_closed_locker_refuses_new_work_and_its_leases_still_release(db: Db) -> None:
+    locker = make(db)
+    lease = await locker.try_acquire("kept", ttl=30)
+    assert lease is not None
+    await locker.aclose()
+    for call in (
+        lambda: locker.try_acquire("other"),
+        lambda: locker.acquire("other", timeout=1),
+        locker.leases,
+        lambda: locker.prune(60),
+        lambda: locker.semaphore("other", 2).try_acquire(),
+    ):
+        with pytest.raises(RuntimeError, match="is closed"):
+            await call()
+    assert held(db) == [("kept", lease.token)]
+    assert await lease.release() is True  # what it granted can still be ended
+    assert held(db) == []
+
+
+async def test_is_held_asks_the_database_about_one_name(db: Db) -> None:
+    async with make(db) as locker, make(db) as other:
+        assert await other.is_held("q") is False and await other.leases("q") == []
+        lease = await locker.try_acquire("q", ttl=30)
+        noise = await locker.try_acquire("q2", ttl=30)
+        assert lease is not None and noise is not None
+        assert await other.is_held("q") is True  # held by another Locker: the database says so
+        assert [(i.name, i.token) for i in await other.leases("q")] == [("q", lease.token)]  # that name only
+        await lease.release()
+        assert await other.is_held("q") is False
+        reader = await locker.readers("q").try_acquire(ttl=30)
+        assert reader is not None and await other.is_held("q") is True  # shared leases count too
+        assert [i.shared for i in await other.leases("q")] == [True]
+        await reader.release()
+        expiring = await locker.try_acquire("q", ttl=0.2)
+        assert expiring is not None
+        await asleep(0.4)
+        assert await other.is_held("q") is False  # expired by the database clock, never released
+        with pytest.raises(ValueError):
+            await other.is_held("")
+        await noise.release()
+
+
+async def test_locked_is_the_old_name_of_synchronized_and_warns(db: Db) -> None:
+    async with make(db) as locker:
+        with pytest.warns(DeprecationWarning, match="renamed synchronized.*is_held"):
+            decorate = locker.locked("old-{n}", timeout=0)
+
+        async def job(n: int) -> int:
+            return n * 2
+
+        assert await decorate(job)(21) == 42
+
+
 async def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:
     async with make(db) as locker:
         async with locker.lock("blk", ttl=30) as lease:
@@ -269,6 +344,16 @@ async def test_bad_input_is_refused_before_any_statement(db: Db) -> None:
                 await call()
         with pytest.raises(ValueError):
             locker.semaphore("x", 0)
+        # Each error names the parameter the caller gave.
+        for call, word in (
+            (lambda: locker.prune(older_than=-1), "older_than must be"),
+            (lambda: locker.prune(older_than="1h"), "older_than must be a number"),
+            (lambda: locker.try_acquire("x", ttl=-1), "ttl must be"),
+            (lambda: locker.acquire("x", timeout=-1), "timeout must be"),
+            (lambda: locker.try_acquire("x", min_hold=-1), "min_hold must be"),
+        ):
+            with pytest.raises((ValueError, TypeError), match=word):
+                await call()
         assert held(db) == [] and locker.open_connections() == 0  # nothing was sent
 
 

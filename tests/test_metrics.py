@@ -104,7 +104,7 @@ def test_a_grant_is_counted_and_its_wait_and_hold_timed(db: Db, recorded: Metric
 def test_a_locked_call_is_timed(db: Db, recorded: Metrics) -> None:
     locker = db.locker()
 
-    @locker.locked("job-{n}", ttl=30, timeout=1)
+    @locker.synchronized("job-{n}", ttl=30, timeout=1)
     def work(n: int) -> bool:
         return dblock.current_lease() is not None
 

@@ -52,7 +52,7 @@ def test_a_with_block_and_a_decorated_function_keep_the_lease_for_the_hold(db: D
     assert lease.held_until is not None and other.try_acquire("block") is None
     runs = []
 
-    @locker.locked("report-{day}", timeout=0, min_hold=30)
+    @locker.synchronized("report-{day}", timeout=0, min_hold=30)
     def report(day: str) -> None:
         runs.append(day)
 
@@ -61,7 +61,7 @@ def test_a_with_block_and_a_decorated_function_keep_the_lease_for_the_hold(db: D
         report("monday")  # done already this period, on this machine or another
     report("tuesday")
 
-    @locker.locked("sync", timeout=0, min_hold=30)
+    @locker.synchronized("sync", timeout=0, min_hold=30)
     async def sync() -> None:
         runs.append("sync")
 
@@ -190,7 +190,7 @@ def test_a_bad_min_hold_is_refused_before_any_sql(db: Db, bad: object, error: ty
         "try_acquire": lambda: locker.try_acquire("x", min_hold=bad),  # type: ignore[arg-type]
         "acquire": lambda: locker.acquire("x", min_hold=bad),  # type: ignore[arg-type]
         "lock": lambda: locker.lock("x", min_hold=bad),  # type: ignore[arg-type]
-        "locked": lambda: locker.locked("x", min_hold=bad),  # type: ignore[arg-type]
+        "locked": lambda: locker.synchronized("x", min_hold=bad),  # type: ignore[arg-type]
     }
     for verb, call in calls.items():
         with pytest.raises(error, match=re.escape(message)):

@@ -89,6 +89,7 @@ class Statements:
     extend: str
     extend_many: str  # renewal: many leases in one statement (binds: ``Backend.batch``)
     leases: str
+    leases_of: str  # the rows of ``leases`` for one name (binds: name)
     prune: str
     prune_lock: str | None  # runs before prune, in its transaction (None: nothing needed)
     owned: str  # after an attempt whose reply was lost: the token owner holds (``Backend.owned``)
@@ -319,20 +320,24 @@ class Backend:
 SHARED = f"'{SHARED_OWNER}'"
 
 
-def leases_statement(t: str, h: str, now: str, remaining: str, false: str, true: str) -> str:
+def leases_statement(
+    t: str, h: str, now: str, remaining: str, false: str, true: str, name: str | None = None
+) -> str:
     """The ``leases`` statement of a backend whose clock reads ``now``; ``remaining``: the
-    seconds left of ``{0}.expires_at``; ``false``/``true``: its boolean literals."""
-    # leases
-    # binds: none
+    seconds left of ``{0}.expires_at``; ``false``/``true``: its boolean literals. ``name``:
+    the backend's placeholder for a name, for ``leases_of``, the same rows of one name."""
+    # leases (leases_of: of one name, found by its primary key)
+    # binds: none (leases_of: name)
     # returns a row per unexpired lease, exclusive or shared: name, owner, token,
     #   acquired_at, expires_at, remaining (seconds, database clock), label,
     #   shared (false: exclusive/write), lim (a semaphore holder's limit; NULL
     #   for readers and exclusive leases). Zero rows: nothing held.
+    one = "" if name is None else f" AND l.name = {name}"
     return f"""
 SELECT l.name, l.owner, l.token, l.acquired_at, l.expires_at, {remaining.format("l")}, l.label, {false}, NULL
-FROM {t} AS l WHERE l.owner IS NOT NULL AND l.owner <> {SHARED} AND l.expires_at > {now}
+FROM {t} AS l WHERE l.owner IS NOT NULL AND l.owner <> {SHARED} AND l.expires_at > {now}{one}
 UNION ALL
 SELECT x.name, x.owner, x.token, x.acquired_at, x.expires_at, {remaining.format("x")}, x.label, {true}, x.lim
 FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = {SHARED}
-WHERE x.expires_at > {now}
+WHERE x.expires_at > {now}{one}
 ORDER BY 1, 3"""

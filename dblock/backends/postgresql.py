@@ -741,6 +741,9 @@ CROSS JOIN LATERAL {extend_fn}(b.name, b.owner, b.token, b.ttl) AS e"""
         share_extend=share_extend, share_extend_many=share_extend_many, leases=leases_statement(
             t, h, "now()", "EXTRACT(EPOCH FROM {0}.expires_at - now())::float8", "false", "true"
         ),
+        leases_of=leases_statement(
+            t, h, "now()", "EXTRACT(EPOCH FROM {0}.expires_at - now())::float8", "false", "true", "%(name)s"
+        ),
         # share_prune: binds age (seconds); deletes the holders whose lease ended more than age
         #   ago (nothing live, and nothing an extend may still revive for long); returns a row each.
         share_prune=f"DELETE FROM {h} WHERE expires_at < now() - %(age)s * interval '1 second' RETURNING name",

@@ -372,6 +372,7 @@ RETURNING name, token, expires_at"""
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many,
         leases=leases_statement(t, h, SQLITE_NOW, "{0}.expires_at - " + SQLITE_NOW, "0", "1"),
+        leases_of=leases_statement(t, h, SQLITE_NOW, "{0}.expires_at - " + SQLITE_NOW, "0", "1", ":name"),
         share_holder=share_holder, share_owned=f"SELECT token FROM {h} WHERE name = :name AND owner = :owner",
         share_prune=f"DELETE FROM {h} WHERE expires_at < {SQLITE_NOW} - :age RETURNING name",
     )
