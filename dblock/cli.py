@@ -108,40 +108,58 @@ _TABLE = _typed(lambda v: check_identifier(v, "table"), str)
 _SCHEMA = _typed(lambda v: check_identifier(v, "schema"), str)
 
 
-def _database_options(parser: argparse.ArgumentParser, default: Any) -> None:
+def _database_options(parser: argparse.ArgumentParser, default: Any, django: bool = False) -> None:
     group = parser.add_argument_group("database")
-    group.add_argument("--url", default=default, help="SQLAlchemy URL (default: $DBLOCK_URL, else the embedded SQLite file)")
+    if django:  # ``manage.py dblock``: the database is one of settings.DATABASES
+        group.add_argument("--database", default=default, metavar="ALIAS",
+                           help="alias in settings.DATABASES (default: default)")
+    else:
+        group.add_argument("--url", default=default,
+                           help="SQLAlchemy URL (default: $DBLOCK_URL, else the embedded SQLite file)")
     group.add_argument("--table", type=_TABLE, default=default, help=f"lock table (default: {DEFAULT_TABLE})")
     group.add_argument("--schema", type=_SCHEMA, default=default, help="PostgreSQL schema of the table")
     group.add_argument("-v", "--verbose", action="store_true", default=default, help="log what dblock does")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "dblock", django: bool = False) -> argparse.ArgumentParser:
+    """The command's parser; ``django``: ``manage.py dblock``'s, for its help (``--database ALIAS``
+    instead of ``--url``, and no ``migrate``: Django's migrations make the tables there)."""
+    epilog = _EPILOG
+    if django:
+        epilog = epilog.replace(
+            "  DBLOCK_URL   database URL when --url is not given (default: the embedded SQLite file)\n"
+            "  DBLOCK_HOME  directory of the embedded SQLite file\n",
+            "",
+        ).replace(
+            "environment:\n",
+            "database: --database ALIAS picks one of settings.DATABASES; `manage.py migrate dblock` makes the tables\n"
+            "\nenvironment:\n",
+        )
     parser = argparse.ArgumentParser(
-        prog="dblock",
+        prog=prog,
         description="A lease lock with fencing tokens in your SQL database.",
-        epilog=_EPILOG,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"dblock {__version__}")
-    _database_options(parser, None)
+    _database_options(parser, None, django)
     # The same options after the command name; SUPPRESS keeps them from
     # overwriting the ones given before it.
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    _database_options(common, argparse.SUPPRESS)
+    _database_options(common, argparse.SUPPRESS, django)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
         "run",
         parents=[common],
         allow_abbrev=False,
-        usage="dblock run NAME [--shared | --limit N] [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] "
+        usage=f"{prog} run NAME [--shared | --limit N] [--ttl T] [--wait T] [--grace T] [--min-interval T] [options] "
         "-- CMD [ARGS...]",
         help="run a command while holding a lock",
         description="Acquire NAME, run CMD with DBLOCK_NAME and DBLOCK_TOKEN set, renew the lease "
         "every ttl/3 while it runs, release it when CMD exits, and exit with CMD's status.",
-        epilog=_EPILOG,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("name", type=_NAME, help="the lock's name")
@@ -180,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("--force", action="store_true", help="required: yes, break someone else's lease")
     release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     release.set_defaults(handler=_release, parser=release)
+    if django:
+        return parser
 
     migration = commands.add_parser(
         "migrate", parents=[common], allow_abbrev=False, help="create or upgrade dblock's tables",

@@ -587,8 +587,15 @@ def test_call_command_dblock(django_env: DjangoEnv, name: str, capsys: pytest.Ca
 
 
 def test_the_command_is_dblocks_own(django_env: DjangoEnv) -> None:  # noqa: F811
-    """`manage.py dblock --help` is dblock's help; `manage.py help dblock` names --database."""
+    """`manage.py dblock --help` is dblock's help as it applies here (--database, no --url, no migrate);
+    `manage.py help dblock` names --database."""
     out = manage(django_env, "dblock", "--help")
     assert out.returncode == 0 and "release" in out.stdout and "status" in out.stdout
+    assert "--database ALIAS" in out.stdout and "--url" not in out.stdout and "DBLOCK_URL" not in out.stdout
+    assert "migrate" not in out.stdout.replace("manage.py migrate dblock", "")
+    assert out.stdout.startswith("usage: python -m django dblock ")  # how the suite runs manage.py
+    out = manage(django_env, "dblock", "run", "--help")
+    assert out.returncode == 0 and "--database ALIAS" in out.stdout and "--url" not in out.stdout
+    assert "usage: python -m django dblock run NAME" in out.stdout
     out = manage(django_env, "help", "dblock")
     assert out.returncode == 0 and "--database" in out.stdout

@@ -4,16 +4,13 @@ dblock's tables are made in the test database, and dblock works there."""
 from django.db import connection
 from django.test import TestCase
 
-from dblock.contrib.django import close_lockers, fenced_update, locker
+from dblock.contrib.django import fenced_update, locker
 
 from .models import Account
 
 
 class UnderDjangosTestRunner(TestCase):
-    @classmethod
-    def tearDownClass(cls) -> None:
-        close_lockers()  # before the runner drops the test database
-        super().tearDownClass()
+    # No close_lockers() here: the app closes its Lockers before the runner drops the test database.
 
     def test_dblock_locks_and_fences_in_the_test_database(self) -> None:
         name = connection.settings_dict["NAME"]

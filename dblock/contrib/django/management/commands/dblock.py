@@ -41,7 +41,9 @@ class Command(BaseCommand):
     def run_from_argv(self, argv: list[str]) -> None:
         # The dblock command's parser reads the arguments, not Django's: the
         # process exits with its code (75 busy, 76 lease lost, CMD's status...).
-        sys.exit(run(argv[2:], prog=f"{os.path.basename(argv[0])} {argv[1]}"))
+        program = os.path.basename(argv[0])
+        program = "python -m django" if program == "__main__.py" else program  # as Django names it
+        sys.exit(run(argv[2:], prog=f"{program} {argv[1]}"))
 
     def handle(self, *args: str, database: str = DEFAULT_DB_ALIAS, **options: Any) -> None:
         # call_command("dblock", "status", database="other")
@@ -68,6 +70,12 @@ def run(argv: list[str], prog: str = "manage.py dblock") -> int:
             next(words, None)
         elif not word.startswith(tuple(f"{o}=" for o in _MANAGE_VALUED)) and word not in _MANAGE_FLAGS:
             rest.append(word)
+    if "-h" in rest or "--help" in rest:
+        # dblock's help as it applies here: --database ALIAS, no --url, no migrate.
+        try:
+            cli.build_parser(prog, django=True).parse_args([*rest, "--database", database])
+        except SystemExit as done:
+            return int(done.code or 0)
     if any(word == "--url" or word.startswith("--url=") for word in rest):
         return _usage(prog, "the database comes from settings.DATABASES here: use --database ALIAS, not --url")
     if _command(rest) == "migrate":
