@@ -1,5 +1,6 @@
 """A FastAPI app: one report per customer at a time, across every worker and server, with fenced writes.
 
+    pip install 'dblock[binary,asyncio]' fastapi uvicorn   # asyncio: SQLAlchemy's AsyncEngine needs greenlet
     DATABASE_URL=postgresql+psycopg://app@db/app uvicorn examples.fastapi_app:app --workers 4
 
 POST /reports/{customer} builds the customer's report unless one is being

@@ -216,7 +216,8 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (wheel,) = (where / "dist").glob("dblock-*.whl")
     venv.create(where / "venv", with_pip=True)
     bin_dir = where / "venv" / "bin"
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    # With the binary extra, as the README's first command installs it (no libpq needed on the machine).
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", f"{wheel}[binary]"], check=True)
     return bin_dir
 
 

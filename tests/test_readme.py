@@ -125,7 +125,7 @@ def test_quickstart_runs_on_the_embedded_default(tmp_path: Path) -> None:
 def test_first_command_runs_under_a_lock_on_the_embedded_default(tmp_path: Path) -> None:
     """The README's first command, after its install step: the installed console script."""
     first = sh_blocks()[0].strip()
-    assert first.startswith("python3 -m venv .venv && .venv/bin/pip install -q . && .venv/bin/dblock run ")
+    assert first.startswith("python3 -m venv .venv && .venv/bin/pip install -q '.[binary]' && .venv/bin/dblock run ")
     command = first.split(" && ", 2)[2].replace(".venv/bin/", "", 1)
     bin_dir = Path(sys.executable).parent
     env = {"DBLOCK_HOME": str(tmp_path), "PATH": f"{bin_dir}:/usr/bin:/bin"}
@@ -176,3 +176,16 @@ def test_readme_django_example_runs(pg_url: str, tmp_path: Path) -> None:
         assert manage("dblock", "status") == "no leases held\n"
     finally:
         drop_database(pg_url, url.render_as_string(hide_password=False))
+
+
+def test_the_sdist_carries_what_the_readme_links_to() -> None:
+    """Every relative link of the README names a file that exists and that the sdist includes."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    links = {link for link in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())}
+    assert "examples/fastapi_app.py" in links and "BENCHMARKS.md" in links  # the rule reads what it should
+    for link in sorted(links):
+        assert (ROOT / link).exists(), link
+        assert any(link == part or link.startswith(part + "/") for part in include), f"{link} is not in the sdist"
+    assert {"LICENSE", "CHANGELOG.md"} <= set(include)
