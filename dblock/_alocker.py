@@ -94,8 +94,8 @@ class AsyncLocker:
     Time and connections are bounded (see the README's "Failures and limits"):
     every call but a waiting ``acquire`` returns or raises within
     ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
-    within its ``timeout`` plus ``GRACE``, riding out outages shorter than
-    that; and it opens at most ``max_connections`` connections for its
+    within its ``timeout`` plus a second (``dblock.locker.GRACE``), riding out
+    outages shorter than that; and it opens at most ``max_connections`` connections for its
     statements, plus one listener connection while waiters wait (1,000
     waiting tasks or threads hold no connection each).
     """
@@ -527,7 +527,8 @@ class AsyncLocker:
     async def prune(self, older_than: float) -> int:
         """Delete rows of names nobody held for ``older_than`` seconds; returns how many.
 
-        Tokens keep growing for a name that is used again after a prune (G2).
+        Tokens keep growing for a name that is used again after a prune: a later grant's token is
+        larger than every earlier one, pruned or not.
         """
         age = check_ttl(older_than, "older_than")
         await self._ensure_schema()

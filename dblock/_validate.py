@@ -114,7 +114,7 @@ def check_timeout(timeout: object) -> float:
     """A wait in seconds: 0 tries once, ``math.inf`` waits for ever."""
     number = _number(timeout, "timeout")
     if number < 0:
-        raise ValueError(f"timeout must be >= 0 seconds (math.inf waits for ever), not {human_seconds(number)}")
+        raise ValueError(f"timeout must be >= 0 seconds (inf waits for ever), not {human_seconds(number)}")
     return number
 
 

@@ -1,4 +1,4 @@
-"""Fenced writes: the guarded resource refuses a token older than the newest it accepted (G4).
+"""Fenced writes: the guarded resource refuses a token older than the newest it accepted.
 
 Everything here runs on the *caller's* connection or Session, inside the
 caller's transaction, so the fence and the protected write commit or roll back

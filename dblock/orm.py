@@ -7,7 +7,7 @@ Inside ``with fenced_session(session, lease):`` dblock also checks that loaded
 value against the lease before the flush (refusing a row a newer lease already
 wrote) and stamps the lease's token into the row. Together: the row is written
 only if no newer lease wrote it, checked by the database in the same
-statement as the write (G4).
+statement as the write.
 
 ``dblock.aio_fencing.fenced_session`` is the same block for an
 ``AsyncSession``: it puts the same ``FlushFence`` in force on the session's

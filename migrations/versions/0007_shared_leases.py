@@ -1,4 +1,4 @@
-"""Shared leases: read locks and counting semaphores (issue 16).
+"""Shared leases: read locks and counting semaphores.
 
 A holders table, one row per shared lease: ``(name, owner)`` is the key, with
 the lease's own ``token``, ``acquired_at``, ``expires_at``, ``label`` and the

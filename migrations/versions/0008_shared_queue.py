@@ -1,4 +1,4 @@
-"""Readers and semaphore holders wait in the fair queue, in one line with writers (issue 16).
+"""Readers and semaphore holders wait in the fair queue, in one line with writers.
 
 0007 let shared waiters poll, and only a writer in line held new readers off.
 Now (PostgreSQL; SQLite's waiters poll, as before):

@@ -1,4 +1,4 @@
-"""Fenced writes for Django querysets: the token check and the stamp in the one UPDATE (G4).
+"""Fenced writes for Django querysets: the token check and the stamp in the one UPDATE.
 
 ``fenced_update(queryset, lease, **values)`` is ``queryset.update(**values)``
 with ``AND fence_token <= :token`` added to its WHERE and ``fence_token =
