@@ -59,12 +59,16 @@ def readme_env_lines() -> tuple[str, str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## Adding dblock to an existing app", 1)[1].split("\n## ", 1)[0]
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "run_with(context" in b]
+    compile(block, "README.md", "exec")  # whole functions, indented as alembic init writes them
     lines = block.splitlines()
-    (imported,) = [line for line in lines if line.startswith("from dblock")]
+    (imported,) = [line.split("  #")[0] for line in lines if line.startswith("from dblock")]
     at = [line.strip() for line in lines].index("context.run_migrations()")
     assert lines[at - 2].strip() == "with context.begin_transaction():", block  # in the app's transaction
-    call = lines[at - 1].strip()
-    assert call.startswith("run_with(context)"), block
+    call = lines[at - 1].strip().split("  #")[0]
+    assert call == "run_with(context)", block
+    online = lines[at + 1:]
+    at = [line.strip() for line in online].index("context.run_migrations()")
+    assert [line.strip() for line in online[at - 2 : at]] == ["with context.begin_transaction():", "run_with(context)  # added"]
     return imported, call
 
 
