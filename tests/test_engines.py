@@ -111,6 +111,9 @@ def test_asyncpg_url_arguments_become_libpq_ones() -> None:
         ("postgresql+asyncpg://app:pw@db.invalid/app?command_timeout=5", ["command_timeout", "postgresql+psycopg://"]),
         ("postgresql+asyncpg://app:pw@db.invalid/app?ssl=yes-please", ["ssl='yes-please'", "verify-full"]),
         ("postgresql+psycopg2://app:pw@db.invalid/app?sslmod=require", ["sslmod", "invalid connection option"]),
+        # the same typo on dblock's own driver, and with no driver named: refused alike, at construction
+        ("postgresql+psycopg://app:pw@db.invalid/app?sslmod=require", ["sslmod", "invalid connection option"]),
+        ("postgresql://app:pw@db.invalid/app?application_nam=x", ["application_nam", "invalid connection option"]),
         ("postgresql+asyncpg://app@db.invalid/app?password=pw&timeout=3", ["'timeout'", "password=***"]),
         ("postgresql+pg8000://app:pw@db.invalid/app", ["postgresql+psycopg2://", "pg8000"]),
     ],

@@ -205,6 +205,7 @@ class PostgreSQL(Backend):
         if url.get_driver_name() in CONVERTED:
             url = psycopg_url(url)
         _check_driver(url)
+        _check_query(url, url.query)
         try:
             return _postgresql_engine(url)
         except (NoSuchModuleError, ArgumentError) as exc:
@@ -349,12 +350,18 @@ def psycopg_url(url: URL) -> URL:
             if renamed == "sslmode" and value not in _SSL_MODES:
                 raise ValueError(f"{key}={value!r} in the asyncpg URL: dblock understands the sslmode names {_SSL_MODES}")
             query[renamed] = value
+    _check_query(url, query)
+    return url.set(drivername="postgresql+psycopg", query=query)
+
+
+def _check_query(url: URL, query: Any) -> None:
+    """Every argument of the URL's query must be one libpq knows: a typo (``?sslmod=``) is a
+    ValueError now, on every driver's URL, not a failed connection at the first call."""
     libpq = {key: value for key, value in query.items() if isinstance(value, str)}  # host=a&host=b: a list
     try:
         make_conninfo(**libpq)  # libpq parses it: an unknown keyword is refused here
     except psycopg.ProgrammingError as exc:
-        raise ValueError(f"{display_url(url)}: {exc}") from None
-    return url.set(drivername="postgresql+psycopg", query=query)
+        raise ValueError(f"{display_url(url)}: {str(exc).strip()}") from None
 
 
 def _check_driver(url: URL) -> None:
