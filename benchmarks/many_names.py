@@ -171,7 +171,8 @@ def main() -> None:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.monotonic()
         time.sleep(0.01)  # every row's last release is now more than the age below ago
-        pruned = many.prune(older_than=0.001)
+        with Locker(sa_url, table=table) as pruner:  # `many` is closed: a closed Locker refuses new work
+            pruned = pruner.prune(older_than=0.001)
         prune_s = time.monotonic() - t0
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         after_prune = sizes(engine, table)
