@@ -144,6 +144,11 @@ async def ato_thread(call: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(call, *args)
 
 
+def acurrent_worker() -> Any:
+    """The task this runs in (a lease's acquirer, for telling a re-entry apart)."""
+    return asyncio.current_task()
+
+
 def running(worker: Worker | None) -> bool:
     """Whether a background worker (a task or a thread) is still at work."""
     if isinstance(worker, asyncio.Task):
@@ -157,6 +162,11 @@ def spawn(work: Callable[[], None], name: str) -> threading.Thread:
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def current_worker() -> Any:
+    """The thread this runs in."""
+    return threading.current_thread()
 
 
 def event_wait(event: threading.Event, timeout: float | None) -> bool:

@@ -26,7 +26,7 @@ from . import _core as core
 from . import backends, metrics
 from ._aacquire import AsyncAcquirer, Try
 from ._acleanup import AsyncCleanup
-from ._acompat import ALock, ato_thread
+from ._acompat import ALock, acurrent_worker, ato_thread
 from ._adriver import AsyncDriver
 from ._akeeper import AsyncKeeper
 from ._alease import AsyncLease, AsyncOnLost
@@ -36,12 +36,13 @@ from ._await import AsyncHeartbeat, AsyncListener
 from ._core import Granted
 from ._defaults import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
 from ._engine import engine_for
-from ._lease_state import LeaseInfo
+from ._lease_state import HeldHere, LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import (
     check_blocking, check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl,
 )
+from .errors import LockNotAcquired
 from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
@@ -52,6 +53,13 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 release_log = logging.getLogger("dblock.release")
+log = logging.getLogger("dblock.locker")
+
+# Who acquires a lease, in messages: a task on the asyncio face, a thread on the sync one.
+if True:  # ASYNC
+    WORKER = "task"
+else:
+    WORKER = "thread"
 
 
 class Attempt(NamedTuple):
@@ -158,6 +166,7 @@ class AsyncLocker:
         self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
         self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
+        self._held_here = HeldHere()  # its exclusive leases, by the thread or task that acquired each
 
     # -- schema ------------------------------------------------------------
     async def create_schema(self) -> Migrated:
@@ -267,8 +276,23 @@ class AsyncLocker:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
         await self._ensure_schema()
         acquirer = self._acquirer
+        mine = self._held_here.holding(name, acurrent_worker()) if limit is False and timeout > 0 else None
+        if mine is not None:
+            log.warning(
+                "waiting for %r, which this %s holds already through this AsyncLocker (token %s): dblock's locks "
+                "are not re-entrant, so the wait ends only when that lease is released or expires",
+                name, WORKER, mine.token,
+            )
         attempt = acquirer.new_try(hold, limit, waiting=timeout > 0)
-        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        try:
+            granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        except LockNotAcquired as exc:
+            if mine is None:
+                raise
+            raise LockNotAcquired(
+                name, timeout, f"this {WORKER} holds it already, through this AsyncLocker (token {mine.token}), "
+                "and dblock's locks are not re-entrant: use the lease you hold, or release it first",
+            ) from exc
         return self._lease(name, attempt, ttl, granted)
 
     async def _try(self, name: str, ttl: float, hold: float, limit: int | None | bool = False) -> AsyncLease | None:
@@ -281,10 +305,14 @@ class AsyncLocker:
         return None if granted is None else self._lease(name, attempt, ttl, granted)
 
     def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted) -> AsyncLease:
-        keeper = self.shared_keeper if core.shared_kind(attempt.limit) else self.keeper
-        return AsyncLease(
-            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold, keeper
+        shared = core.shared_kind(attempt.limit)
+        lease = AsyncLease(
+            self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold,
+            self.shared_keeper if shared else self.keeper,
         )
+        if not shared:
+            self._held_here.add(name, lease, acurrent_worker())
+        return lease
 
     async def _attempt(self, name: str, owner: str, ttl: float, *, limit: int | None | bool = False) -> Attempt:
         """One attempt by ``owner`` (tests: a retry after a lost reply, G6)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -140,3 +141,49 @@ class LeaseView:
         if self._state.lost.is_set():
             return "lost"
         return f"remaining={self.remaining():.3f}s"
+
+
+class HeldHere:
+    """The exclusive leases a Locker granted, by name, each with the thread or task that acquired it,
+    so that a wait for a name its own thread (or task) still holds can say so: dblock's locks are
+    not re-entrant, and such a wait ends only when that lease is released or expires.
+
+    Weak references only: an entry goes with its lease (or its thread or task).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a weak reference's callback may run inside it (GC)
+        self._by_name: dict[str, list[tuple[weakref.ref[Any], weakref.ref[Any]]]] = {}
+
+    def add(self, name: str, lease: Any, worker: Any) -> None:
+        if worker is None:
+            return  # no task: nothing to tell apart
+
+        def gone(_: object, name: str = name) -> None:
+            self._prune(name)
+
+        with self._lock:
+            self._by_name.setdefault(name, []).append((weakref.ref(lease, gone), weakref.ref(worker)))
+
+    def holding(self, name: str, worker: Any) -> Any | None:
+        """A lease on ``name`` that ``worker`` acquired and may still rely on, or None."""
+        with self._lock:
+            entries = list(self._by_name.get(name, ()))
+        for lease_ref, worker_ref in entries:
+            lease = lease_ref()
+            if lease is not None and worker is not None and worker_ref() is worker and lease.remaining() > 0:
+                return lease
+        self._prune(name)
+        return None
+
+    def _prune(self, name: str) -> None:
+        with self._lock:
+            kept = []
+            for lease_ref, worker_ref in self._by_name.get(name, ()):
+                lease = lease_ref()
+                if lease is not None and worker_ref() is not None and lease.remaining() > 0:
+                    kept.append((lease_ref, worker_ref))
+            if kept:
+                self._by_name[name] = kept
+            else:
+                self._by_name.pop(name, None)

@@ -41,8 +41,9 @@ class LockNotAcquired(DBLockError, TimeoutError):
     ``except TimeoutError`` catches it; ``name`` and ``timeout`` say which lock and how long.
     """
 
-    def __init__(self, name: str, timeout: float) -> None:
-        super().__init__(f"lock {name!r} was not acquired within {timeout:g} s: it is held by another owner")
+    def __init__(self, name: str, timeout: float, note: str = "") -> None:
+        held_by = note or "it is held by another owner"
+        super().__init__(f"lock {name!r} was not acquired within {timeout:g} s: {held_by}")
         self.name = name
         self.timeout = timeout
 

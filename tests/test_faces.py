@@ -11,6 +11,7 @@ Each case runs on PostgreSQL and SQLite (the ``db`` fixture). Face-only cases
 from __future__ import annotations
 
 import inspect
+import logging
 import pickle
 import time
 from datetime import datetime
@@ -200,6 +201,34 @@ def test_locked_is_the_old_name_of_synchronized_and_warns(db: Db) -> None:
             return n * 2
 
         assert decorate(job)(21) == 42
+
+
+def test_waiting_for_a_name_this_worker_holds_says_so(db: Db, caplog: pytest.LogCaptureFixture) -> None:
+    """Not re-entrant: a task (or thread) waiting for a name it holds is told so, in the log as it starts
+    and in the error if its wait runs out; another task (or thread) waiting is told plainly, as ever."""
+    with make(db) as locker:
+        outer = locker.acquire("self", ttl=30)
+        with caplog.at_level(logging.WARNING, logger="dblock.locker"):
+            with pytest.raises(LockNotAcquired, match="holds it already, through this .*not re-entrant") as caught:
+                locker.acquire("self", timeout=0.3)
+        assert caught.value.name == "self" and isinstance(caught.value, TimeoutError)
+        assert [r.getMessage() for r in caplog.records if "not re-entrant" in r.getMessage()], caplog.records
+        caplog.clear()
+        out: list[BaseException] = []
+
+        def elsewhere() -> None:
+            try:
+                locker.acquire("self", timeout=0.3)
+            except LockNotAcquired as exc:
+                out.append(exc)
+
+        worker = spawn(elsewhere, name="another")
+        join(worker, 30)
+        assert len(out) == 1 and "held by another owner" in str(out[0])
+        assert not [r for r in caplog.records if "not re-entrant" in r.getMessage()]
+        assert outer.release() is True
+        again = locker.acquire("self", timeout=0.3)  # released: nothing to say any more
+        again.release()
 
 
 def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:

@@ -9,6 +9,7 @@ Each case runs on PostgreSQL and SQLite (the ``db`` fixture). Face-only cases
 from __future__ import annotations
 
 import inspect
+import logging
 import pickle
 import time
 from datetime import datetime
@@ -201,6 +202,34 @@ async def test_locked_is_the_old_name_of_synchronized_and_warns(db: Db) -> None:
             return n * 2
 
         assert await decorate(job)(21) == 42
+
+
+async def test_waiting_for_a_name_this_worker_holds_says_so(db: Db, caplog: pytest.LogCaptureFixture) -> None:
+    """Not re-entrant: a task (or thread) waiting for a name it holds is told so, in the log as it starts
+    and in the error if its wait runs out; another task (or thread) waiting is told plainly, as ever."""
+    async with make(db) as locker:
+        outer = await locker.acquire("self", ttl=30)
+        with caplog.at_level(logging.WARNING, logger="dblock.locker"):
+            with pytest.raises(LockNotAcquired, match="holds it already, through this .*not re-entrant") as caught:
+                await locker.acquire("self", timeout=0.3)
+        assert caught.value.name == "self" and isinstance(caught.value, TimeoutError)
+        assert [r.getMessage() for r in caplog.records if "not re-entrant" in r.getMessage()], caplog.records
+        caplog.clear()
+        out: list[BaseException] = []
+
+        async def elsewhere() -> None:
+            try:
+                await locker.acquire("self", timeout=0.3)
+            except LockNotAcquired as exc:
+                out.append(exc)
+
+        worker = aspawn(elsewhere, name="another")
+        await ajoin(worker, 30)
+        assert len(out) == 1 and "held by another owner" in str(out[0])
+        assert not [r for r in caplog.records if "not re-entrant" in r.getMessage()]
+        assert await outer.release() is True
+        again = await locker.acquire("self", timeout=0.3)  # released: nothing to say any more
+        await again.release()
 
 
 async def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:

@@ -70,6 +70,7 @@ RENAMES = {
     "astop": "stop",
     "ajoin": "join",
     "aevent_wait": "event_wait",
+    "acurrent_worker": "current_worker",
     "ACancelled": "Cancelled",
     "_averbs": "_verbs",
     "AsyncVerbs": "Verbs",
