@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Sequence, TypeVar
 # A waiting acquire's last statements (the attempt in flight at its deadline,
 # leaving the queue) may run this much past it before they are cut off.
 GRACE = 1.0
+# SQLite: the least time a statement of a wait gets, even at or past the wait's deadline (a try).
+LAST_LOOK = 0.05
 # While the database is unreachable, a wait retries after this pause, doubling.
 OUTAGE_RETRY_MIN, OUTAGE_RETRY_MAX = 0.05, 1.0
 # A fair waiter behind others looks (in case a notification was lost) at most this rarely.
@@ -166,11 +168,14 @@ def statement_deadline(now: float, deadline: float, op_timeout: float, sqlite: b
     """The deadline of one statement, sent at ``now``, of a wait that ends at ``deadline``.
 
     SQLite's only wait is for another writer, which the wait's own deadline
-    bounds; elsewhere a statement may run ``GRACE`` past it, so the attempt in
-    flight at the deadline is not cut off when the server is merely slow.
+    bounds, though never to less than ``LAST_LOOK`` from now: a try at or past
+    the deadline (``timeout=0``) is still sent (1 ms was less than a busy event
+    loop took to reach the send, which then raised OutOfTime for a mere try).
+    Elsewhere a statement may run ``GRACE`` past it, so the attempt in flight at
+    the deadline is not cut off when the server is merely slow.
     """
     if sqlite:
-        return min(now + op_timeout, max(deadline, now + 0.001))
+        return min(now + op_timeout, max(deadline, now + LAST_LOOK))
     return min(now + op_timeout, deadline + GRACE)
 
 

@@ -149,7 +149,9 @@ def test_a_waits_statement_may_run_grace_past_its_deadline_on_postgresql() -> No
 def test_on_sqlite_the_waits_deadline_bounds_its_statement() -> None:
     assert core.statement_deadline(100.0, 101.0, 5.0, sqlite=True) == 101.0
     assert core.statement_deadline(100.0, 200.0, 5.0, sqlite=True) == 105.0
-    assert core.statement_deadline(100.0, 99.0, 5.0, sqlite=True) == 100.001  # past it: a moment, never negative
+    # At or past it (a try, timeout=0): a moment to be sent and to wait for a writer, never negative.
+    assert core.statement_deadline(100.0, 99.0, 5.0, sqlite=True) == 100.0 + core.LAST_LOOK
+    assert core.statement_deadline(100.0, 100.0, 5.0, sqlite=True) == 100.0 + core.LAST_LOOK
 
 
 def test_a_queue_entry_lives_as_long_as_its_wait_and_grace() -> None:
