@@ -495,6 +495,13 @@ def test_leases_lists_exactly_the_live_leases(db: Db, wire: Wire) -> None:
         ("x", x, held.token, False, None),
     ]
     assert all(0 < remaining < 61 for *_, remaining, _, _, _ in rows)
+    # leases_of: the same rows, of one name only; nothing for a lapsed, released or unknown name.
+    def but_remaining(listed: list[Sequence[Any]]) -> list[tuple[Any, ...]]:  # the clock moved between reads
+        return [(*row[:5], *row[6:]) for row in listed]
+
+    for name in ("x", "r", "s", "lapsed", "released", "never"):
+        one = wire.run(wire.sql.leases_of, name=name)
+        assert but_remaining(one) == but_remaining([row for row in rows if row[0] == name]), name
 
 
 # -- the fair queue (caps.fair_queue) ---------------------------------------------------
