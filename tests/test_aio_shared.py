@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
@@ -25,7 +24,6 @@ from .test_waiting_faces_async import count_statements
 
 pytestmark = pytest.mark.asyncio
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def alocker(db: Db, **options: Any) -> AsyncLocker:
@@ -283,13 +281,16 @@ async def test_a_lost_reply_to_a_shared_grant_is_ended_in_the_background(db: Db)
         assert in_line(db, "doubt") == 0
 
 
-# -- the README ------------------------------------------------------------------------------
+# -- the docs --------------------------------------------------------------------------------
 async def test_readme_async_shared_example_runs(db: Db, capsys: pytest.CaptureFixture[str]) -> None:
-    section = (ROOT / "README.md").read_text().split("\n## asyncio\n", 1)[1].split("\n## ", 1)[0]
+    from .docs import samples
+
     url = 'AsyncLocker("postgresql://app@db/reports")'
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if url in b]
+    (block,) = [b for tested, b in samples("asyncio.md") if url in b]
+    assert block.endswith("asyncio.run(shared())\n")
     namespace: dict[str, Any] = {}
-    exec(compile(block.replace(url, f"AsyncLocker({db.url!r}, table={db.table!r})"), "README.md", "exec"), namespace)
+    code = block.replace(url, f"AsyncLocker({db.url!r}, table={db.table!r})").removesuffix("asyncio.run(shared())\n")
+    exec(compile(code, "docs/asyncio.md", "exec"), namespace)
     await namespace["shared"]()
     out = capsys.readouterr().out.splitlines()
     assert [re.sub(r"\d+", "N", line) for line in out] == ["reading, token N", "one of N slots, token N"]

@@ -2,7 +2,7 @@
 
 Each app is made by `alembic init` and runs the `alembic` and `dblock` commands of a fresh
 virtualenv with dblock installed from its built wheel (``wheel_venv``), as a user's would;
-its env.py is the one `alembic init` wrote, plus the lines the README's "With your
+its env.py is the one `alembic init` wrote, plus the lines docs/alembic.md's "With your
 migrations" adds to it. A newer dblock is this one copied with one more revision.
 """
 
@@ -25,8 +25,8 @@ from dblock import DBLockError, Locker, migrate
 from dblock.schema import DEFAULT_TABLE, fences_table_name, version_table_name
 
 from .conftest import libpq_dsn, lock_once, scratch_database
+from .docs import blocks, section
 
-ROOT = Path(__file__).resolve().parent.parent
 DBLOCK_HEAD = ScriptDirectory(str(migrate.migrations_dir())).get_current_head()
 ITEMS = 'Table("items", metadata, Column("id", Integer, primary_key=True), Column("body", Text))\n'
 TAGS = 'Table("tags", metadata, Column("id", Integer, primary_key=True))\n'
@@ -55,11 +55,9 @@ def downgrade():
 
 
 def readme_env_lines() -> tuple[str, str]:
-    """The README's env.py lines: the import, and the call that goes just before context.run_migrations()."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Adding dblock to an existing app", 1)[1].split("\n## ", 1)[0]
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "run_with(context" in b]
-    compile(block, "README.md", "exec")  # whole functions, indented as alembic init writes them
+    """The env.py lines of docs/alembic.md: the import, and the call that goes just before context.run_migrations()."""
+    (block,) = [b for b in blocks(section("alembic.md", "Adding dblock to an existing app")) if "run_with(context" in b]
+    compile(block, "docs/alembic.md", "exec")  # whole functions, indented as alembic init writes them
     lines = block.splitlines()
     (imported,) = [line.split("  #")[0] for line in lines if line.startswith("from dblock")]
     at = [line.strip() for line in lines].index("context.run_migrations()")

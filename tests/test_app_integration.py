@@ -45,6 +45,7 @@ from dblock.schema import (
 )
 
 from .conftest import libpq_dsn, lock_once, scratch_database, wait_for
+from .docs import blocks, page
 
 APP_ENV = '''
 from alembic import context
@@ -89,7 +90,6 @@ def downgrade():
     op.drop_table("notes")
 '''
 
-ROOT = Path(__file__).resolve().parent.parent
 DBLOCK_HEAD = ScriptDirectory(str(migrate.migrations_dir())).get_current_head()
 
 
@@ -198,14 +198,12 @@ def test_separate_histories_never_touch_the_apps_alembic_version(app: App) -> No
 
 
 def readme_grants() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Adding dblock to an existing app", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```sql\n(.*?)```", section, re.S)
+    (block,) = blocks(page("least-privilege.md"), "sql")
     return block
 
 
 def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> None:
-    """`dblock migrate --schema --table` as the owner; then the README's grants, and nothing more, suffice."""
+    """`dblock migrate --schema --table` as the owner; then the grants of docs/least-privilege.md, and nothing more, suffice."""
     schema, table, role = ("lp_" + secrets.token_hex(4) for _ in range(3))
     assert cli.main(["--url", pg_url, "migrate", "--schema", schema, "--table", table]) == 0
     grants = readme_grants()
@@ -249,7 +247,7 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
         assert admin.execute(catalog).fetchall() == older
         migrate.upgrade(admin_engine, table, schema)
         admin_engine.dispose()
-        admin.execute(grants)  # as the README says: tables an upgrade creates need the grants again
+        admin.execute(grants)  # as the page says: tables an upgrade creates need the grants again
         assert admin.execute(catalog).fetchall() == before
         lease = first.acquire("job", timeout=1)
         assert second.try_acquire("job") is None
@@ -294,7 +292,7 @@ def test_least_privilege_role_can_do_everything_the_app_needs(pg_url: str) -> No
 
 
 def test_the_role_that_owns_the_schema_migrates_it(pg_url: str) -> None:
-    """README: "Migrate as the role that owns the schema". Owning the schema is enough: no CREATE on the database."""
+    """docs/least-privilege.md: "Migrate as the role that owns the schema". Owning the schema is enough: no CREATE on the database."""
     schema, table, role = ("own_" + secrets.token_hex(4) for _ in range(3))
     admin = psycopg.connect(libpq_dsn(pg_url), autocommit=True)
     role_url = make_url(pg_url).set(username=role, password=None).render_as_string(hide_password=False)

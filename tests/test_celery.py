@@ -1,6 +1,6 @@
-"""The README's Celery recipe, run as written: in a real Celery worker on Redis, else eagerly.
+"""The Celery recipe (docs/celery.md), run as written: in a real Celery worker on Redis, else eagerly.
 
-The README's module is written to a file with the test database, table and a
+The recipe's module is written to a file with the test database, table and a
 queue of its own swapped in. A real worker (``celery worker --pool=threads``,
 a subprocess) runs it on the Redis at 127.0.0.1:6379; where none answers,
 that test skips and the eager one (tasks run in this process, no broker)
@@ -21,18 +21,16 @@ from typing import Iterator
 import pytest
 
 from .conftest import Db
+from .docs import samples
 
 celery = pytest.importorskip("celery", reason="Celery is not installed (pip install 'celery[redis]', in the test extra)")
 
-ROOT = Path(__file__).resolve().parent.parent
 REDIS = "redis://127.0.0.1:6379/0"
 LOCKER = 'Locker("postgresql://app@db/app", table="jobs")'
 
 
 def recipe() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = re.split(r"\n#{2,3} ", text.split("\n### Celery\n", 1)[1], 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ((_, block),) = samples("celery.md")
     assert LOCKER in block and block.count(REDIS) == 2
     return block
 
@@ -55,7 +53,7 @@ def load(name: str, where: Path) -> ModuleType:
 
 
 def exercise(module: ModuleType, pg: Db) -> None:
-    """What the README says the suite shows, through Celery's own calls (``delay``, ``get``)."""
+    """What the page says the suite shows, through Celery's own calls (``delay``, ``get``)."""
     # celery beat on four machines sends the report one after another, each after the
     # last one finished: built once, kept for the period, skipped three times.
     results = [module.nightly_report.delay().get(timeout=60) for _ in range(4)]

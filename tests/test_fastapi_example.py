@@ -53,3 +53,12 @@ async def test_one_report_per_customer_at_a_time(db: Db, monkeypatch: pytest.Mon
         assert db.query(f"SELECT count(*) FROM {db.table} WHERE owner IS NOT NULL") == [(0,)]
     finally:
         db.query("DROP TABLE IF EXISTS reports")
+
+
+def test_the_fastapi_page_shows_this_example_whole() -> None:
+    """docs/fastapi.md includes the file itself (a snippet), so the page shows the code this file runs."""
+    from .docs import samples
+
+    ((tested, block),) = samples("fastapi.md")
+    assert tested == "tests/test_fastapi_example.py"
+    assert block == '--8<-- "examples/fastapi_app.py"\n'

@@ -1,7 +1,7 @@
 """Faults injected for real: a silent endpoint, a frozen server, restarts, a pool under load.
 
-Each test bounds a call's time only by its documented limit (README,
-"Failures and limits"): acquire within timeout + 2.5 s, any other call within
+Each test bounds a call's time only by its documented limit (docs/failures.md):
+acquire within timeout + 2.5 s, any other call within
 op_timeout + 0.25 s (connecting counts whole seconds, at least 2), plus slack
 for a loaded machine. Nothing here asserts a speed.
 """

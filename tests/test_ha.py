@@ -12,7 +12,6 @@ replicated from the old primary.
 from __future__ import annotations
 
 import json
-import re
 import os
 import secrets
 import signal
@@ -34,12 +33,13 @@ from dblock import DBLockError, Locker
 
 from . import ha
 from .conftest import Db
+from .docs import samples
 from .test_guarantees import assert_race_was_safe
 
 pytestmark = [pytest.mark.ha, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
-# The README's bound for a waiting acquire: timeout + 2.5 s. A second of slack for a busy machine.
+# The documented bound for a waiting acquire (docs/failures.md): timeout + 2.5 s. A second of slack for a busy machine.
 WAIT_BOUND = 2.5 + 1.0
 
 
@@ -249,7 +249,7 @@ def test_failover_and_switchover_keep_every_guarantee(ha_cluster: ha.Cluster, hd
     - the counter equals the number of logged increments; every increment a client saw commit
       is there, none that was refused or never sent is; the fence only ever let tokens grow;
     - every client process kept working (grants after each change of primary);
-    - no waiting acquire outlived its timeout (+ the README's 2.5 s).
+    - no waiting acquire outlived its timeout (+ the documented 2.5 s).
     """
     install_audit(hdb)
     create_counter(hdb)
@@ -329,7 +329,7 @@ def test_tokens_after_promoting_a_standby_that_fell_behind(ha_cluster: ha.Cluste
 
     Asynchronous replication: the primary answers every grant at once, the promoted standby has
     none of them, nor the sequence's advance, and hands out again a token that a client was
-    already given: G2 (and with it the fence) is broken. This is what the README states and
+    already given: G2 (and with it the fence) is broken. This is what docs/high-availability.md states and
     what create_schema() warns about.
 
     Synchronous replication: no grant is answered while no standby confirms it (each try is cut
@@ -487,18 +487,16 @@ def test_renewal_and_dblock_run_ride_through_a_failover(ha_cluster: ha.Cluster, 
 
 
 def test_readme_url_finds_the_primary(ha_cluster: ha.Cluster, hdb: HaDb) -> None:
-    """The README's multi-host example, with the cluster's nodes in place of db1..db3: whichever
+    """The multi-host example of docs/high-availability.md, with the cluster's nodes in place of db1..db3: whichever
     node is primary, the Locker finds it (the first host named is a standby here)."""
-    text = (HERE.parent / "README.md").read_text()
-    section = text.split("## High availability", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ((_, block),) = samples("high-availability.md")
     leader = ha_cluster.wait_healthy(True)
     order = sorted(ha_cluster.nodes, key=lambda n: n.name == leader.name)  # the primary last
     for i, node in enumerate(order, 1):
         block = block.replace(f"db{i}:5432", f"127.0.0.1:{node.pg_port}")
     block = block.replace("app@/app", "postgres@/postgres").replace("Locker(", f"Locker(table={hdb.table!r}, url=", 1)
     namespace: dict[str, Any] = {"Locker": Locker}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/high-availability.md", "exec"), namespace)
     locker = namespace["locker"]
     try:
         lease = locker.try_acquire("readme")

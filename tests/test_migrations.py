@@ -271,7 +271,7 @@ def _statements(locker: Locker) -> list[str]:
 
 
 def test_create_schema_on_current_tables_only_reads(db: Db) -> None:
-    """No DDL, no write, no lock: a role that may only read (README, "Least privilege") can call it."""
+    """No DDL, no write, no lock: a role that may only read (docs/least-privilege.md) can call it."""
     locker = db.locker()
     sent = _statements(locker)
     before = (_catalog(db), db.query(f"SELECT version_num FROM {version_table_name(db.table)}"))

@@ -13,6 +13,7 @@ import pytest
 import dblock.aio
 import dblock.migrate
 from .conftest import Db
+from .docs import samples
 
 # pytester runs the user's tests in this process and then forgets the modules
 # imported since it started. Alembic's `context` and `op` are module proxies
@@ -25,13 +26,10 @@ assert alembic.context and alembic.op and dblock.migrate and dblock.aio
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Testing your code with dblock", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    ((_, block),) = samples("pytest.md")
     assert block.startswith("# test_reports.py\n")
     return block
 
@@ -88,7 +86,7 @@ def test_each_test_gets_a_fresh_schema(dblock_locker, n):
 
 
 def test_users_tests_run_on_the_fixtures(pg: Db, pytester: pytest.Pytester) -> None:
-    """The README's example passes; an unhandled FencedOut fails the user's test; schemas are fresh and dropped."""
+    """The example of docs/pytest.md passes; an unhandled FencedOut fails the user's test; schemas are fresh and dropped."""
     pytester.makepyfile(test_reports=readme_example(), test_more=MORE_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
     result.assert_outcomes(passed=6, failed=1)

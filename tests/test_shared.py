@@ -665,7 +665,7 @@ def test_a_writers_release_wakes_the_readers_it_admits(pg: Db) -> None:
     assert joined(*writer).token > max(lease.token for lease in leases)
 
 
-# -- what a shared lease's token fences (README, "Shared locks and semaphores") ---------------
+# -- what a shared lease's token fences (docs/shared.md) ---------------
 def test_a_readers_token_keeps_a_stale_writer_out(db: Db) -> None:
     """A reader stamps the resource first: a writer whose lease ran out before the reader was granted can no longer write."""
     import dblock
@@ -702,13 +702,13 @@ def test_readers_tokens_do_not_order_readers_among_themselves(db: Db) -> None:
         dblock.fence(conn, first)  # still a live reader, but its token is older
 
 
-def test_readme_shared_example_runs(db: Db) -> None:
-    import re
+def test_the_docs_shared_sample_runs(db: Db) -> None:
+    from .docs import samples
 
-    readme = (HERE.parent / "README.md").read_text()
     url = 'Locker("postgresql+psycopg://app@db/reports")'
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if url in b]
-    exec(compile(block.replace(url, f"Locker({db.url!r}, table={db.table!r})"), "README.md", "exec"), {})
+    ((_, block),) = samples("shared.md")
+    assert url in block
+    exec(compile(block.replace(url, f"Locker({db.url!r}, table={db.table!r})"), "docs/shared.md", "exec"), {})
     assert Locker(db.url, table=db.table).leases() == []
 
 

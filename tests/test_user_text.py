@@ -1,6 +1,6 @@
 """No internal labels in what a user reads: the guarantees' short names, design-note sections and
-issue numbers stay in the project's own notes, out of docstrings of public names, the README and
-what the migrations print."""
+issue numbers stay in the project's own notes, out of docstrings of public names, the README, the documentation's
+pages and what the migrations print."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def labels_in(text: str) -> list[str]:
     return INTERNAL.findall(text)
 
 
-def test_public_docstrings_readme_and_migration_messages_hold_no_internal_labels() -> None:
+def test_public_docstrings_docs_and_migration_messages_hold_no_internal_labels() -> None:
     import dblock
 
     exported = set(dblock.__all__)
@@ -51,7 +51,10 @@ def test_public_docstrings_readme_and_migration_messages_hold_no_internal_labels
         public_module = not any(part.startswith("_") for part in path.relative_to(ROOT).with_suffix("").parts[1:])
         for where, text in public_docstrings(ast.parse(path.read_text()), public_module, exported):
             found += [f"{path.relative_to(ROOT)} {where}: {label}" for label in labels_in(text)]
-    found += [f"README.md: {label}" for label in labels_in((ROOT / "README.md").read_text())]
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 20  # the documentation site's pages too
+    for path in pages:
+        found += [f"{path.relative_to(ROOT)}: {label}" for label in labels_in(path.read_text())]
     for path in sorted((ROOT / "migrations" / "versions").glob("*.py")):  # alembic prints the first line
         first = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[0]
         found += [f"{path.name}: {label}" for label in labels_in(first)]
