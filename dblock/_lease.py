@@ -35,11 +35,11 @@ class Lease(LeaseView):
 
     ``token`` is the fencing token: larger than every earlier grant's of the
     same name. Pass it to the resource you protect so that a write made after
-    this lease was lost is refused (see the README, "Fencing tokens").
+    this lease was lost is refused (see "Fencing your writes" in the documentation).
     A shared lease (``read_lock``, ``semaphore``; ``shared`` is True) has a
     token of its own, larger than every earlier grant of the name; several
     shared leases hold at once, so it orders this holder after every earlier
-    writer, not against the other holders (README, "Shared locks").
+    writer, not against the other holders (see "Shared locks and semaphores" in the documentation).
 
     ``lost`` is an Event (asyncio's on the asyncio face, threading's on the
     sync one), set once this holder learns that the lease is gone without its

@@ -84,8 +84,8 @@ class Locker:
     tell who holds it (``dblock status``); by default ``"host:pid command line"``
     of this process.
 
-    Waiting (``acquire``, ``lock``), see the README's "Waiting": on PostgreSQL
-    with ``fair=True`` waiters queue (one row each, migration 0005), first come first
+    Waiting (``acquire``, ``lock``), see "Locks and waiting" in the documentation: on PostgreSQL
+    with ``fair=True`` waiters queue (one row each), first come first
     served, and a release hands the lease to the first live waiter in the same
     statement; with ``notify=True`` that waiter is woken by NOTIFY through one
     listener connection per Locker, otherwise it polls. ``fair=False`` (and
@@ -98,10 +98,10 @@ class Locker:
     server-side prepared statement can be run by another client's session.
     Use ``notify=False`` there too (LISTEN needs a session of its own).
 
-    Time and connections are bounded (see the README's "Failures and limits"):
+    Time and connections are bounded (see "Failures and limits" in the documentation):
     every call but a waiting ``acquire`` returns or raises within
     ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
-    within its ``timeout`` plus a second (``dblock.locker.GRACE``), riding out
+    within its ``timeout`` plus 2.5 s, riding out
     outages shorter than that; and it opens at most ``max_connections`` connections for its
     statements, plus one listener connection while waiters wait (1,000
     waiting tasks or threads hold no connection each).

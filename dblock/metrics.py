@@ -1,4 +1,4 @@
-"""Optional OpenTelemetry metrics (the README's "Metrics"): ``enable()``, ``disable()``, ``enabled()``.
+"""Optional OpenTelemetry metrics (the documentation's "Metrics" page): ``enable()``, ``disable()``, ``enabled()``.
 
 Off until ``enable()``; then every Locker of this process records through
 OpenTelemetry's metrics API, into the meter provider given or the global one.

@@ -1,6 +1,6 @@
 """Run dblock's Alembic migrations (the one source of its schema), alone or with an app's.
 
-Two ways to run them (README, "Adding dblock to an existing app"), both recorded in
+Two ways to run them (the documentation's "Adding dblock to an existing app"), both recorded in
 dblock's own version table, never in the app's ``alembic_version``:
 
 - alone: ``Locker.create_schema()`` or ``dblock migrate`` (``upgrade``);
@@ -185,7 +185,7 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
     what it did.
 
     To the head, it first looks without writing: tables already there, made by
-    dblock's history or by the app's own (README, "Adding dblock to an existing
+    dblock's history or by the app's own (the documentation's "Adding dblock to an existing
     app"), are left as they are.
     """
     caps = backends.of(engine).caps
@@ -272,7 +272,7 @@ def check_replication(bind: Engine | Connection, *, stacklevel: int = 4) -> str 
     message = (
         f"{display_url(bind.engine.url)} streams to {standbys} standby(s) asynchronously ({why}): after a "
         "failover the promoted standby may lack grants and hand out a fencing token again. dblock's "
-        "guarantees across a failover need synchronous replication (README, High availability)"
+        "guarantees across a failover need synchronous replication: https://dblock.readthedocs.io/en/latest/high-availability/"
     )
     log.warning("%s", message)
     warnings.warn(message, ReplicationWarning, stacklevel=stacklevel)  # by default at create_schema()'s caller
@@ -497,7 +497,7 @@ def _where(engine: Engine, table: str, schema: str | None) -> tuple[str, frozens
     """Where dblock's tables are (``_look``'s state) and what its version table records.
 
     Only reads (the catalog, and version tables where the role may), so the
-    README's least-privilege role can call ``create_schema()`` on a current
+    least-privilege role of the documentation can call ``create_schema()`` on a current
     database. ``behind`` or ``absent`` when dblock's own history should run: nothing
     is there yet, or dblock's version table records an older revision. Raises when the tables
     exist but dblock's history cannot bring them up: running it would fail
@@ -566,7 +566,7 @@ def _refusal(
             f"{', '.join(sorted(in_app))} in alembic_version; call dblock.migrate.run_with(context) in your env.py "
             "and run `alembic upgrade head`, which moves that to dblock's own version table and "
             f"{'brings the tables up' if not downgrading else 'then lets dblock migrate --downgrade remove them'} "
-            "(README, \"Adding dblock to an existing app\"); nothing was changed"
+            "(https://dblock.readthedocs.io/en/latest/alembic/#adding-dblock-to-an-existing-app); nothing was changed"
         )
     if recorded is _UNREADABLE:
         return PermissionDenied(
@@ -654,7 +654,7 @@ def _translate(exc: BaseException, engine: Engine, table: str) -> DBLockError:
         return PermissionDenied(
             f"role {role!r} may not create or upgrade dblock's tables in {where}: {reason}"
             f"{_needed(statement)}. Run `dblock migrate` (or create_schema()) once as the role that owns "
-            "the schema; the app's own role then needs only the grants in the README's \"Least privilege\", "
+            "the schema; the app's own role then needs only the grants at https://dblock.readthedocs.io/en/latest/least-privilege/, "
             "and create_schema() changes nothing while the tables are current",
             sqlstate=sqlstate,
         )

@@ -53,7 +53,7 @@ def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
 
     The row of a name stays when its lease ends (release clears owner and
     expires_at), so every grant after the first goes through the UPDATE path,
-    where the token is drawn after the row lock is held (README, "How it works").
+    where the token is drawn after the row lock is held (the documentation's "How it works").
     Only ``name`` is indexed on PostgreSQL, so grants and releases are HOT
     updates. SQLite takes the next token as max(token) + 1 inside its
     single-writer transaction and needs an index on token for that.

@@ -64,6 +64,14 @@ def test_the_config_names_the_site_the_readme_links_to() -> None:
     assert "configuration: mkdocs.yml" in rtd and "- docs" in rtd  # the host installs .[docs] and builds this config
 
 
+def assert_in_site(site: Path, link: str) -> None:
+    path, _, anchor = link.removeprefix(SITE_URL).partition("#")
+    built = site / path / "index.html"
+    assert built.exists(), link
+    if anchor:
+        assert f'id="{anchor}"' in built.read_text(), link
+
+
 def test_readme_links_reach_pages_and_anchors_of_the_site(site: Path) -> None:
     """The README's links are absolute (they work on a package index too); those into the
     site name a page and anchor that the build made."""
@@ -73,11 +81,16 @@ def test_readme_links_reach_pages_and_anchors_of_the_site(site: Path) -> None:
     into_site = [link for link in links if link.startswith(SITE_URL)]
     assert len(into_site) >= 5
     for link in into_site:
-        path, _, anchor = link.removeprefix(SITE_URL).partition("#")
-        built = site / path / "index.html"
-        assert built.exists(), link
-        if anchor:
-            assert f'id="{anchor}"' in built.read_text(), link
+        assert_in_site(site, link)
+
+
+def test_the_pages_messages_point_at_exist(site: Path) -> None:
+    """Error messages and warnings that send the user to a page of the site name one that exists."""
+    sources = [*(ROOT / "dblock").rglob("*.py"), *(ROOT / "migrations").rglob("*.py"), ROOT / "pyproject.toml"]
+    links = {link for path in sources for link in re.findall(re.escape(SITE_URL) + r"[\w/#-]*", path.read_text())}
+    assert len(links) >= 4  # the rule reads what it should: least-privilege, high-availability, alembic, ...
+    for link in sorted(links):
+        assert_in_site(site, link.rstrip("."))
 
 
 # -- the samples -------------------------------------------------------------------------------

@@ -388,8 +388,8 @@ def translate(exc: BaseException, where: str, table: str, schema: str | None = N
         )
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):
         return PermissionDenied(
-            f"{where}: {first_line(exc)} (grant the privileges listed in the README's "
-            "least-privilege section)",
+            f"{where}: {first_line(exc)} (grant the privileges listed at "
+            "https://dblock.readthedocs.io/en/latest/least-privilege/)",
             sqlstate=sqlstate,
         )
     if sqlstate is not None and sqlstate[:2] in _OUTAGE_CLASSES:

@@ -1,7 +1,7 @@
 """What an app finds where dblock's revisions used to be: a clear error, and no place for its own.
 
 dblock's wheel used to carry its revisions in ``dblock/_migrations/versions``, and
-the README let an app list ``dblock:_migrations/versions`` in its
+an older dblock's instructions let an app list ``dblock:_migrations/versions`` in its
 ``version_locations``, making them a branch of the app's own history. That gave the
 app two heads, and in an app without revisions of its own, ``alembic revision``
 wrote the app's first revision in here, inside the installed package, where the
@@ -18,5 +18,5 @@ raise CommandError(
     "'dblock:_migrations/versions' from version_locations in your alembic.ini, and call "
     "dblock.migrate.run_with(context) in your env.py instead; your next `alembic upgrade head` "
     "moves dblock's revision from your alembic_version into its own table "
-    '(README, "Adding dblock to an existing app")'
+    '(https://dblock.readthedocs.io/en/latest/alembic/#adding-dblock-to-an-existing-app)'
 )
