@@ -22,7 +22,7 @@ import io
 import logging
 import warnings
 import zlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -142,10 +142,17 @@ def _revisions(cfg: Config) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(script.get_heads()), frozenset(revision.revision for revision in script.walk_revisions())
 
 
-def _serialise(conn: Connection, table: str, schema: str | None) -> None:
-    """PostgreSQL: wait for other migrations of these tables; this one's turn lasts until the transaction ends."""
+@contextmanager
+def _turn(conn: Connection, table: str, schema: str | None) -> Iterator[None]:
+    """Wait for other migrations of these tables (the backend's advisory lock); this one's turn
+    lasts until the block ends (PostgreSQL: until the transaction ends)."""
+    backend = backends.of(conn)
     key = zlib.crc32(f"dblock:{schema}.{table}".encode())
-    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+    backend.serialise(conn, key)
+    try:
+        yield
+    finally:
+        backend.unserialise(conn, key)
 
 
 @dataclass(frozen=True)
@@ -214,8 +221,7 @@ def upgrade(engine: Engine, table: str, schema: str | None, revision: str = "hea
                 raise
             conn.exec_driver_sql("COMMIT")
         return outcome.migrated()
-    with engine.begin() as conn:
-        _serialise(conn, table, schema)
+    with engine.begin() as conn, _turn(conn, table, schema):
         cfg.attributes["connection"] = conn
         outcome.look(conn, schema)
         command.upgrade(cfg, revision)
@@ -288,9 +294,9 @@ def downgrade(engine: Engine, table: str, schema: str | None, revision: str = "b
         raise ValueError(f"revision must be base or one of dblock's ({', '.join(known)}), not {revision!r}")
     cfg = alembic_config(table, schema)
     ours = frozenset(known)
-    with engine.begin() as conn:
+    with engine.begin() as conn, ExitStack() as turn:
         if backends.of(engine).caps.advisory_lock:
-            _serialise(conn, table, schema)
+            turn.enter_context(_turn(conn, table, schema))
         insp = inspect(conn)
         recorded = _versions(conn, insp, version_table_name(table), schema)
         if not recorded and not insp.has_table(table, schema=schema):
@@ -430,29 +436,31 @@ def _upgrade_online(conn: Connection, app: MigrationContext, cfg: Config, table:
     state, recorded = _look(conn, table, schema, heads, ours)
     if not old and (state == "current" or (state == "complete" and recorded)):
         return  # at dblock's head, or a newer dblock's tables that have what this one needs
-    if caps.advisory_lock:
-        _serialise(conn, table, schema)  # a create_schema() racing this waits until the app's run commits
-        old = _old_setup(conn, app, ours)
-        state, recorded = _look(conn, table, schema, heads, ours)
-    if recorded is _UNREADABLE:
-        raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
-    cfg.attributes["connection"] = conn
-    if old:
-        version = _version_table(app.version_table, app.version_table_schema)
-        conn.execute(delete(version).where(version.c.version_num.in_(sorted(old))))
-        log.info("moved dblock's revision %s from %s to dblock's own version table", ", ".join(sorted(old)),
-                 app.version_table)
-        if not recorded:
-            command.stamp(cfg, sorted(old))
-            state, recorded = "behind", old
-    if state == "complete" and not recorded:
-        # At dblock's head, but no history records it (the old set-up, merged into the app's
-        # history): record it, so that dblock's next revision knows where to start.
-        command.stamp(cfg, "heads")
-    elif state == "incomplete":
-        raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
-    elif state in ("behind", "absent"):
-        command.upgrade(cfg, "heads")
+    with ExitStack() as turn:
+        if caps.advisory_lock:
+            # a create_schema() racing this waits until the app's run is done
+            turn.enter_context(_turn(conn, table, schema))
+            old = _old_setup(conn, app, ours)
+            state, recorded = _look(conn, table, schema, heads, ours)
+        if recorded is _UNREADABLE:
+            raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
+        cfg.attributes["connection"] = conn
+        if old:
+            version = _version_table(app.version_table, app.version_table_schema)
+            conn.execute(delete(version).where(version.c.version_num.in_(sorted(old))))
+            log.info("moved dblock's revision %s from %s to dblock's own version table", ", ".join(sorted(old)),
+                     app.version_table)
+            if not recorded:
+                command.stamp(cfg, sorted(old))
+                state, recorded = "behind", old
+        if state == "complete" and not recorded:
+            # At dblock's head, but no history records it (the old set-up, merged into the app's
+            # history): record it, so that dblock's next revision knows where to start.
+            command.stamp(cfg, "heads")
+        elif state == "incomplete":
+            raise _refusal(conn.engine, table, schema, recorded, ours, frozenset())
+        elif state in ("behind", "absent"):
+            command.upgrade(cfg, "heads")
 
 
 def _refuse_old_setup(conn: Connection, app: MigrationContext, cfg: Config) -> None:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    Double,
     Float,
     Identity,
     Integer,
@@ -44,8 +45,9 @@ def version_table_name(table: str) -> str:
 
 
 # PostgreSQL keeps times as timestamptz and computes them with now(). SQLite has
-# no time type, so there the columns hold Unix seconds (REAL) computed by SQLite.
-Timestamp = DateTime(timezone=True).with_variant(Float(), "sqlite")
+# no time type, so there the columns hold Unix seconds (REAL) computed by SQLite;
+# MariaDB holds Unix seconds too (DOUBLE), free of the session's time zone.
+Timestamp = DateTime(timezone=True).with_variant(Float(), "sqlite").with_variant(Double(), "mariadb", "mysql")
 
 
 def locks_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:

@@ -80,14 +80,64 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+def mariadb_connect(url: str):  # noqa: ANN201 - a PyMySQL connection, autocommit, UTC
+    import pymysql
+
+    u = make_url(url)
+    conn = pymysql.connect(
+        host=u.host or "localhost", port=u.port or 3306, user=u.username or "", password=u.password or "",
+        database=u.database, autocommit=True, unix_socket=u.query.get("unix_socket"),
+    )
+    conn.cursor().execute("SET time_zone = '+00:00'")
+    return conn
+
+
 def libpq_dsn(url: str) -> str:
     """The psycopg (libpq) connection string for a SQLAlchemy URL."""
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+# The backends a test of ``db`` (or ``backend``) runs on. A module lists MariaDB too with
+# ``BACKENDS = ALL_BACKENDS``: the backend contract, both faces' verbs, the guarantees' race,
+# fencing and shared leases run on every backend; the rest of the suite on PostgreSQL and
+# SQLite, which keeps it within its time.
+BACKENDS = ("postgresql", "sqlite")
+ALL_BACKENDS = ("postgresql", "sqlite", "mariadb")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" not in metafunc.fixturenames:
+        return
+    if any("backend" in str(mark.args[0]) for mark in metafunc.definition.iter_markers("parametrize")):
+        return  # the test names its backends itself
+    metafunc.parametrize("backend", getattr(metafunc.module, "BACKENDS", BACKENDS), indirect=True)
+
+
+@pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def mariadb_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SQLAlchemy URL of a MariaDB database the tests may create tables in: DBLOCK_TEST_MARIADB_URL,
+    else a throwaway server started for the session (skipped, saying why, where MariaDB is not installed)."""
+    import os
+
+    from dblock import _mariadb_server
+
+    url = os.environ.get("DBLOCK_TEST_MARIADB_URL")
+    if url:
+        yield url
+        return
+    found = _mariadb_server.find()
+    if isinstance(found, str):
+        pytest.skip(found)
+    server = _mariadb_server.MariaDBServer.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 class Db:
@@ -99,6 +149,19 @@ class Db:
         self.table = table
         self.lockers: list[Locker] = []
 
+    @property
+    def now(self) -> str:
+        """The database's clock in SQL, as the table's times hold it (timestamptz, or Unix seconds)."""
+        return {
+            "postgresql": "now()",
+            "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+            "mariadb": "UNIX_TIMESTAMP(NOW(6))",
+        }[self.backend]
+
+    def seconds(self, n: float) -> str:
+        """``n`` seconds in SQL, to add to or take from the table's times."""
+        return f"interval '{n} seconds'" if self.backend == "postgresql" else repr(float(n))
+
     def locker(self, **options: object) -> Locker:
         options.setdefault("table", self.table)
         locker = Locker(self.url, **options)  # type: ignore[arg-type]
@@ -108,6 +171,8 @@ class Db:
     def connect(self):  # a direct driver connection, autocommit
         if self.backend == "postgresql":
             return psycopg.connect(libpq_dsn(self.url), autocommit=True)
+        if self.backend == "mariadb":
+            return mariadb_connect(self.url)
         import sqlite3
 
         conn = sqlite3.connect(make_url(self.url).database, isolation_level=None, timeout=30)
@@ -118,6 +183,10 @@ class Db:
         try:
             if self.backend == "sqlite":
                 sql = sql.replace("%s", "?")
+            if self.backend == "mariadb":
+                cur = conn.cursor()
+                cur.execute(sql, params or None)
+                return [tuple(r) for r in cur.fetchall()] if cur.description is not None else []
             cur = conn.execute(sql, params)
             return cur.fetchall() if cur.description is not None else []
         finally:
@@ -141,6 +210,9 @@ class Db:
                 "SELECT oid::regprocedure::text FROM pg_proc WHERE starts_with(proname, %s)", (t + "_",)
             ):
                 self.query(f"DROP FUNCTION IF EXISTS {function} CASCADE")
+        elif self.backend == "mariadb":
+            t = self.table
+            self.query(f"DROP TABLE IF EXISTS {t}_audit, {t}, {t}_fences, {t}_holders, alembic_version_dblock_{t}")
 
 
 @pytest.fixture
@@ -160,6 +232,8 @@ def db(backend: str, request: pytest.FixtureRequest, memory_path: Path) -> Itera
     table = "t_" + secrets.token_hex(6)
     if backend == "postgresql":
         url = request.getfixturevalue("pg_url")
+    elif backend == "mariadb":
+        url = request.getfixturevalue("mariadb_url")
     else:
         url = f"sqlite:///{memory_path / 'locks.sqlite3'}"
     d = Db(backend, url, table)

@@ -26,13 +26,20 @@ from dblock._core import Ended, Grant, Miss, Queued, when
 from dblock.backends import Backend, Statements
 from dblock.schema import holders_table_name
 
-from .conftest import Db, wait_for
+from .conftest import ALL_BACKENDS, Db, wait_for
+
+BACKENDS = ALL_BACKENDS
 
 # What "wrote nothing" is measured by, per backend (a backend added later adds its own):
 # a marker that moves with every write. PostgreSQL: the WAL insert position, which any
 # client's write moves (so the check samples a quiet window); SQLite: total_changes() of
 # the connection the statements run on.
-WRITES = {"postgresql": "SELECT pg_current_wal_insert_lsn()::text", "sqlite": "SELECT total_changes()"}
+WRITES = {
+    "postgresql": "SELECT pg_current_wal_insert_lsn()::text",
+    "sqlite": "SELECT total_changes()",
+    # MariaDB: InnoDB's redo log position, which any client's write moves (as PostgreSQL's WAL).
+    "mariadb": "SELECT variable_value FROM information_schema.global_status WHERE variable_name = 'INNODB_LSN_CURRENT'",
+}
 TRIES = 5  # windows sampled for a quiet one, where another client may write meanwhile
 TINY = 0.05  # seconds: a ttl that runs out while the test polls the database clock
 

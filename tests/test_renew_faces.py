@@ -26,7 +26,9 @@ from dblock import Lease, Locker, LeaseLost
 from dblock import _core as core
 from dblock._acompat import event_wait, join, sleep, running
 
-from .conftest import Db
+from .conftest import ALL_BACKENDS, Db
+
+BACKENDS = ALL_BACKENDS
 from .pgproxy import PgProxy
 from .test_faces import make, until
 

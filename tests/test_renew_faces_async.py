@@ -24,7 +24,9 @@ from dblock import AsyncLease, AsyncLocker, LeaseLost
 from dblock import _core as core
 from dblock._acompat import aevent_wait, ajoin, asleep, running
 
-from .conftest import Db
+from .conftest import ALL_BACKENDS, Db
+
+BACKENDS = ALL_BACKENDS
 from .pgproxy import PgProxy
 from .test_faces_async import make, until
 

@@ -26,7 +26,9 @@ from dblock import _wait
 from dblock._acompat import Worker, join, spawn, sleep, running
 from dblock.backends.postgresql import APPLICATION_NAME
 
-from .conftest import Db
+from .conftest import ALL_BACKENDS, Db
+
+BACKENDS = ALL_BACKENDS
 from .pgproxy import PgProxy
 from .test_faces import make, until
 

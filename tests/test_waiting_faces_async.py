@@ -24,7 +24,9 @@ from dblock import _await
 from dblock._acompat import Worker, ajoin, aspawn, asleep, running
 from dblock.backends.postgresql import APPLICATION_NAME
 
-from .conftest import Db
+from .conftest import ALL_BACKENDS, Db
+
+BACKENDS = ALL_BACKENDS
 from .pgproxy import PgProxy
 from .test_faces_async import make, until
 

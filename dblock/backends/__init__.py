@@ -13,16 +13,19 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from .base import Backend, Capabilities, QueueStatements, Statements, Unsupported
+from .mariadb import MariaDB
 from .postgresql import PostgreSQL
 from .sqlite import SQLite
 
 __all__ = [
-    "EMBEDDED", "Backend", "Capabilities", "PostgreSQL", "QueueStatements", "SQLite", "Statements", "Unsupported",
+    "EMBEDDED", "Backend", "Capabilities", "MariaDB", "PostgreSQL", "QueueStatements", "SQLite", "Statements", "Unsupported",
     "named", "of",
 ]
 
-_BACKENDS: dict[str, type[Backend]] = {PostgreSQL.name: PostgreSQL, SQLite.name: SQLite}
-_ALIASES = {"postgres": PostgreSQL}  # SQLAlchemy reads postgres:// as its own backend name
+_BACKENDS: dict[str, type[Backend]] = {PostgreSQL.name: PostgreSQL, SQLite.name: SQLite, MariaDB.name: MariaDB}
+# SQLAlchemy reads postgres:// as its own backend name; a mysql:// URL or engine may reach a MariaDB
+# server (a MySQL one is refused when dblock connects: its statements need MariaDB).
+_ALIASES = {"postgres": PostgreSQL, "mysql": MariaDB}
 EMBEDDED = SQLite  # the default when no URL is given: a per-user file, nothing to set up
 
 
@@ -35,8 +38,8 @@ def named(url: URL) -> type[Backend]:
     backend = _BACKENDS.get(name) or _ALIASES.get(name)
     if backend is None:
         raise ValueError(
-            "dblock supports postgresql+psycopg://, postgresql+psycopg2://, postgresql+asyncpg:// and sqlite:///"
-            f" URLs, not {url.drivername}://"
+            "dblock supports postgresql+psycopg://, postgresql+psycopg2://, postgresql+asyncpg://, mariadb://"
+            f" (and mysql://) and sqlite:/// URLs, not {url.drivername}://"
         )
     return backend
 
@@ -47,7 +50,7 @@ def of(bind: Any) -> type[Backend]:
     ``ValueError`` for a database dblock has no backend for.
     """
     name = bind if isinstance(bind, str) else getattr(getattr(bind, "dialect", bind), "name", None)
-    backend = _BACKENDS.get(name) if isinstance(name, str) else None
+    backend = (_BACKENDS.get(name) or _ALIASES.get(name)) if isinstance(name, str) else None
     if backend is None:
         known = " and ".join(b.title for b in _BACKENDS.values())
         raise ValueError(f"dblock runs on {known}, not {name or bind!r}")

@@ -75,6 +75,13 @@ class Capabilities:
     advisory_lock: bool
     # Standbys may stream from the server: migrations warn when they do not confirm commits.
     replication: bool
+    # Triggers on the holders table keep a name's row in step with its shared leases (else the
+    # fair queue's functions do, or the share statements themselves).
+    triggers: bool = False
+    # One counter issues the table's tokens, so they grow across names too. False (MariaDB):
+    # each name counts its own (certified with its row on a Galera cluster, where a sequence
+    # is per node); a name's tokens still only grow.
+    global_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -290,6 +297,18 @@ class Backend:
     @classmethod
     def prepare_database(cls, engine: Engine) -> None:
         """Before the migrations make the tables: settings of the database itself (none here)."""
+
+    # Options of every table the migrations make (MariaDB: engine, character set, collation).
+    table_options: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def serialise(cls, conn: Any, key: int) -> None:
+        """Wait for the advisory lock ``key`` (``caps.advisory_lock``): racing migrations take turns."""
+        raise Unsupported(f"{cls.title} has no advisory lock")
+
+    @classmethod
+    def unserialise(cls, conn: Any, key: int) -> None:
+        """End the turn ``serialise`` began (where it does not end with the transaction)."""
 
     # -- fencing -------------------------------------------------------------
     @classmethod

@@ -21,7 +21,7 @@ from psycopg.pq import ExecStatus
 from psycopg.conninfo import conninfo_attempts, make_conninfo
 from psycopg.types.numeric import Int8Dumper
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Dialect, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import NullPool
@@ -266,6 +266,11 @@ class PostgreSQL(Backend):
         return pg_insert
 
     # -- migrations ------------------------------------------------------------
+    @classmethod
+    def serialise(cls, conn: Any, key: int) -> None:
+        # Held until the migration's transaction ends.
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
+
     @classmethod
     def schema_error(
         cls, exc: BaseException, orig: BaseException, reason: str, where: str, table: str, path: str

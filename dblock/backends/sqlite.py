@@ -38,7 +38,7 @@ class SQLite(Backend):
     title = "SQLite"
     caps = Capabilities(
         fair_queue=False, notify=False, schemas=False, cut_statements=False, batch_binds="json",
-        server_prepare=False, token_sequence=False, advisory_lock=False, replication=False,
+        server_prepare=False, token_sequence=False, advisory_lock=False, replication=False, triggers=True,
     )
     errors = (sqlite3.Error,)
 

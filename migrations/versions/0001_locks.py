@@ -22,7 +22,7 @@ def upgrade() -> None:
     table, schema = target()
     sequence = backend().caps.token_sequence
     # Times: timestamptz on PostgreSQL; Unix seconds on SQLite, which has no time type.
-    timestamp = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite")
+    timestamp = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite").with_variant(sa.Double(), "mariadb", "mysql")
     if sequence:
         # One sequence issues every token: CACHE 1 so tokens follow grant order
         # across connections, NO CYCLE so they never wrap.
@@ -39,6 +39,7 @@ def upgrade() -> None:
         sa.Column("acquired_at", timestamp, nullable=False),
         sa.Column("expires_at", timestamp, nullable=True),
         schema=schema,
+        **backend().table_options,
     )
     if sequence:
         qualified = f'"{schema}"."{table}"' if schema else f'"{table}"'

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from dblock.migrate import target
+from dblock.migrate import backend, target
 from dblock.schema import fences_table_name
 
 revision = "dblock_0002"
@@ -27,6 +27,7 @@ def upgrade() -> None:
         sa.Column("resource", sa.String(255), primary_key=True),
         sa.Column("last_token", sa.BigInteger, nullable=False),
         schema=schema,
+        **backend().table_options,
     )
 
 

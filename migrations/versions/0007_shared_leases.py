@@ -52,7 +52,7 @@ _SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 
 def upgrade() -> None:
     table, schema = target()
-    ts = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite")
+    ts = sa.DateTime(timezone=True).with_variant(sa.Float(), "sqlite").with_variant(sa.Double(), "mariadb", "mysql")
     op.create_table(
         holders_table_name(table),
         sa.Column("name", sa.String(255), nullable=False),
@@ -64,10 +64,13 @@ def upgrade() -> None:
         sa.Column("lim", sa.Integer, nullable=True),
         sa.PrimaryKeyConstraint("name", "owner"),
         schema=schema,
+        **backend().table_options,
     )
     # With a fair queue (PostgreSQL), functions that also hand a name to waiting readers and
     # slots; without one (SQLite), triggers that keep the leases row's token and expiry in step.
-    statements = _functions(table, schema) if backend().caps.fair_queue else _triggers(table)
+    caps = backend().caps
+    # MariaDB: neither; its statements keep the name's row in step in one transaction each.
+    statements = _functions(table, schema) if caps.fair_queue else _triggers(table) if caps.triggers else []
     for sql in statements:
         op.execute(sql)
 
@@ -79,7 +82,7 @@ def downgrade() -> None:
         prefix = quote(schema) + "." if schema else ""
         for name, args in zip(shared_function_names(table), _SIGNATURES):
             op.execute(f"DROP FUNCTION {prefix}{quote(name)}({args})")
-    else:
+    elif backend().caps.triggers:
         for suffix in ("grant", "release", "extend"):
             op.execute(f"DROP TRIGGER {quote(holders_table_name(table) + '_' + suffix)}")
     op.drop_table(holders_table_name(table), schema=schema)
