@@ -82,6 +82,9 @@ class Capabilities:
     # each name counts its own (certified with its row on a Galera cluster, where a sequence
     # is per node); a name's tokens still only grow.
     global_tokens: bool = True
+    # prune forgets no name granted within this many seconds, whatever its older_than says
+    # (MariaDB: a new name's first token is read without a lock, see backends/mariadb.py).
+    prune_floor: float = 0.0
 
 
 @dataclass(frozen=True)

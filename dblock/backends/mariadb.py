@@ -13,19 +13,22 @@ How the statements keep the guarantees:
   statement's start) to compare, ``SYSDATE(6)`` (the moment it is read) for
   a new expiry, in a session whose time zone is UTC, so no daylight-saving
   hour is read twice.
-- A name's row is locked by the statement that grants it (``INSERT ... ON
-  DUPLICATE KEY UPDATE`` locks the existing row, then computes the new values
-  from its latest committed version), and its token is the row's own token
-  plus one: drawn after the row lock, so a late grant never writes a token
-  drawn before an earlier grant's. A per-row counter is certified with the
+- A name's row is locked by the statement that grants it (an ``UPDATE`` locks
+  the row, then computes the new values from its latest committed version),
+  and its token is the row's own token plus one: drawn after the row lock, so
+  a late grant never writes a token drawn before an earlier grant's. A per-row counter is certified with the
   row on a Galera cluster, where a sequence or auto-increment is per node.
 - A name's first grant (or its first after ``prune`` forgot it) takes the
-  table's largest token plus one, read under a shared lock on that row. prune
-  never deletes the row holding the largest token, so that number never goes
-  down, and a forgotten name restarts above every token it was ever given.
+  table's largest committed token plus one. prune never deletes the row
+  holding the largest token, so that number never goes down; and it forgets
+  only names nobody was granted for ``PRUNE_FLOOR`` seconds, longer than any
+  statement may run (``STATEMENT_LIFE``), so the largest token a first grant
+  reads, as its statement began, is above every token the name it brings
+  back was ever given.
 - Statements that change rows and report them run as one transaction in one
-  round trip (``BEGIN; ...; COMMIT``, a multi-statement text): the rows the
-  client receives are those its commit made. On Galera a commit that loses
+  round trip (``BEGIN; ...; COMMIT`` as a multi-statement text, or a ``BEGIN NOT
+  ATOMIC`` block where a step depends on an earlier one): the rows the client
+  receives are those its commit made. On Galera a commit that loses
   certification fails (error 1213) and nothing is reported as granted; an
   autocommit statement would instead be retried by the server after its
   first attempt's rows had already reached the client.
@@ -80,9 +83,18 @@ _CONNECT_KEYWORDS = {
     "ssl_verify_identity", "connect_timeout", "local_infile", "init_command", "program_name", "server_public_key",
     "read_default_file", "read_default_group", "auth_plugin_map", "binary_prefix", "ssl_key_password",
 }
+# The longest any statement of dblock's may run on the server, whatever became of its client
+# (cut off at its deadline, its connection gone): a lock wait ends sooner, and the server
+# aborts a statement that runs past it. prune forgets no name granted within twice this.
+STATEMENT_LIFE = 60
+PRUNE_FLOOR = 2 * STATEMENT_LIFE  # MariaDB.caps.prune_floor
+# READ COMMITTED: a new name's first token reads the largest committed token without locking
+# that row (under REPEATABLE READ the read takes a shared lock on it, and two grants of the
+# name that holds it, each holding that lock and waiting for the other's, deadlock).
 _SESSION = (
-    "SET SESSION time_zone = '+00:00', SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION';"
-    " SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ"
+    "SET SESSION time_zone = '+00:00', SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION',"
+    f" SESSION max_statement_time = {STATEMENT_LIFE}, SESSION innodb_lock_wait_timeout = {STATEMENT_LIFE - 10};"
+    " SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 )
 
 
@@ -92,7 +104,7 @@ class MariaDB(Backend):
     caps = Capabilities(
         fair_queue=False, notify=False, schemas=False, cut_statements=True, batch_binds="json",
         server_prepare=False, token_sequence=False, advisory_lock=True, replication=False,
-        global_tokens=False,
+        global_tokens=False, prune_floor=120.0,
     )
     errors: ClassVar[tuple[type[BaseException], ...]] = ()  # set below, once the driver is imported
 
@@ -452,27 +464,32 @@ def _exclusive(t: str) -> dict[str, Any]:
     #   grant's token and expiry; or not, with wait = seconds until the current
     #   lease ends (<= 0 or NULL: it just ended; look again soon). A retry by the
     #   owner that holds it (after a lost reply) keeps its token and never shortens it.
-    # One INSERT ... ON DUPLICATE KEY UPDATE: the existing row is locked, then its
-    # latest committed values decide. The update's assignments run left to right,
-    # each seeing the columns assigned before it, so whether the grant is made is
-    # decided once, from the old values, into @dblock_g, and owner, which the
-    # decision reads, is assigned last. A miss changes nothing (no redo is written).
-    # The token of an existing row is its own plus one; a new row's is the table's
-    # largest plus one (a locking read: the latest committed largest).
-    acquire = f"""BEGIN;
-INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
-VALUES (%(name)s, %(owner)s, (SELECT COALESCE(MAX(x.token), 0) + 1 FROM {t} AS x), {NOW}, {EXPIRES}, %(label)s)
-ON DUPLICATE KEY UPDATE
-    token = IF(@dblock_g := (owner IS NULL OR expires_at <= VALUES(acquired_at) OR owner = VALUES(owner)),
-               IF(owner <=> VALUES(owner), token, token + 1), token),
-    acquired_at = IF(@dblock_g AND NOT owner <=> VALUES(owner), VALUES(acquired_at), acquired_at),
-    label = IF(@dblock_g, VALUES(label), label),
-    expires_at = IF(@dblock_g,
-                    IF(owner <=> VALUES(owner), GREATEST(expires_at, VALUES(expires_at)), VALUES(expires_at)),
-                    expires_at),
-    owner = IF(@dblock_g, VALUES(owner), owner)
-RETURNING owner <=> %(owner)s, token, expires_at, expires_at - {NOW};
-COMMIT"""
+    # One block, one transaction: the UPDATE locks the name's row and decides from
+    # its latest committed values. Its assignments run left to right, each seeing
+    # the columns assigned before it, so whether the grant is made is decided once,
+    # from the old values, into @dblock_g, and owner, which the decision reads, is
+    # assigned last. A miss changes nothing (no redo is written). Only a name with no
+    # row reads the table's largest token (a locking read: never on the common path,
+    # where two grants of the name holding it would each hold that read's lock and
+    # wait for the other's). The SELECT reads the row this transaction holds locked.
+    acquire = f"""BEGIN NOT ATOMIC
+START TRANSACTION;
+UPDATE {t} SET
+    token = IF(@dblock_g := (owner IS NULL OR expires_at <= {NOW} OR owner = %(owner)s),
+               IF(owner <=> %(owner)s, token, token + 1), token),
+    acquired_at = IF(@dblock_g AND NOT owner <=> %(owner)s, {NOW}, acquired_at),
+    label = IF(@dblock_g, %(label)s, label),
+    expires_at = IF(@dblock_g, IF(owner <=> %(owner)s, GREATEST(expires_at, {EXPIRES}), {EXPIRES}), expires_at),
+    owner = IF(@dblock_g, %(owner)s, owner)
+WHERE name = %(name)s;
+IF ROW_COUNT() = 0 THEN
+    INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
+    SELECT %(name)s, %(owner)s, COALESCE(MAX(x.token), 0) + 1, {NOW}, {EXPIRES}, %(label)s FROM {t} AS x
+    ON DUPLICATE KEY UPDATE name = name;
+END IF;
+SELECT owner <=> %(owner)s, token, expires_at, expires_at - {NOW} FROM {t} WHERE name = %(name)s;
+COMMIT;
+END"""
     # release
     # binds: name, owner, token
     # returns one row (token, handed) when this call ended the lease: nobody else
@@ -509,12 +526,13 @@ SET {t}.expires_at = GREATEST({t}.expires_at, {CLOCK} + b.b_ttl);
 SELECT {t}.name, {t}.token, {t}.expires_at FROM {t} JOIN {_BATCH}
     ON {t}.name = b.b_name AND {t}.owner = b.b_owner AND {t}.token = b.b_token;
 COMMIT"""
-    # prune: binds age. A row (name) per name forgotten: nobody held it for age seconds.
-    #   The row holding the table's largest token is kept (a new name's first token
-    #   counts from it), so tokens keep growing across prune.
+    # prune: binds age. A row (name) per name forgotten: nobody held it for age seconds
+    #   (and none was granted it for PRUNE_FLOOR seconds, whatever age says). The row holding
+    #   the table's largest token is kept (a new name's first token counts from it), so
+    #   tokens keep growing across prune.
     prune = f"""BEGIN;
 DELETE FROM {t}
-WHERE acquired_at < {NOW} - %(age)s
+WHERE acquired_at < {NOW} - GREATEST(%(age)s, {PRUNE_FLOOR})
   AND (owner IS NULL OR expires_at < {NOW} - %(age)s)
   AND token < (SELECT m.top FROM (SELECT MAX(token) AS top FROM {t}) AS m)
 RETURNING name;
@@ -542,11 +560,16 @@ def _shared(t: str, h: str) -> dict[str, str]:
     #   expiry no earlier than every live holder's), so the next grant of any kind
     #   draws above it. Holders that ran out are forgotten here. A second attempt with
     #   the same owner is a miss (not a retry-safe upsert), as on SQLite.
-    share_acquire = f"""BEGIN;
-INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
-VALUES (%(name)s, NULL, (SELECT COALESCE(MAX(x.token), 0) + 1 FROM {t} AS x), {NOW}, NULL, NULL)
-ON DUPLICATE KEY UPDATE name = name;
+    share_acquire = f"""BEGIN NOT ATOMIC
+START TRANSACTION;
+SET @dblock_o = NULL, @dblock_t = NULL, @dblock_x = NULL;
 SELECT owner, token, expires_at INTO @dblock_o, @dblock_t, @dblock_x FROM {t} WHERE name = %(name)s FOR UPDATE;
+IF @dblock_t IS NULL THEN
+    INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
+    SELECT %(name)s, NULL, COALESCE(MAX(x.token), 0) + 1, {NOW}, NULL, NULL FROM {t} AS x
+    ON DUPLICATE KEY UPDATE name = name;
+    SELECT owner, token, expires_at INTO @dblock_o, @dblock_t, @dblock_x FROM {t} WHERE name = %(name)s FOR UPDATE;
+END IF;
 DELETE FROM {h} WHERE name = %(name)s AND expires_at <= {NOW};
 SELECT COUNT(*), MIN(lim) INTO @dblock_n, @dblock_m FROM {h} WHERE {live};
 SET @dblock_ok = (@dblock_o IS NULL OR @dblock_o = {_SHARED} OR @dblock_x <= {NOW})
@@ -560,7 +583,8 @@ UPDATE {t} SET owner = {_SHARED}, token = @dblock_t + 1, acquired_at = {NOW}, la
 WHERE name = %(name)s AND @dblock_ok;
 SELECT @dblock_t + 1, @dblock_e, LEAST(COALESCE(@dblock_m, %(limit)s), COALESCE(%(limit)s, @dblock_m)) - @dblock_n - 1
 FROM DUAL WHERE @dblock_ok;
-COMMIT"""
+COMMIT;
+END"""
     # share_holder: binds name. One row (wait): seconds until a live writer's lease
     #   ends, or else until the first live holder's ends; NULL when nothing holds it.
     share_holder = f"""SELECT COALESCE(
