@@ -7,7 +7,8 @@ or a blocking acquire with a short timeout (5 TTLs, at least 50 ms): "fair" (que
 "async-" prefix (e.g. "async-fair") the asyncio API races instead: THREADS tasks
 on one event loop, with an AsyncLocker.
 OPTIONS, a JSON object, adds Locker keyword options (e.g. {"prepare": false}
-behind a transaction pooler).
+behind a transaction pooler). DBLOCK_RACE_ACQUIRE in the environment replaces the acquire
+statement (a test's deliberately broken one, to show the race's checks catch it).
 Once connected it prints "ready" and reads the start time from stdin: a
 time.monotonic() value (one clock for every process on the machine), so all
 processes start together however long each took to start. Then it prints one
@@ -19,7 +20,9 @@ is when this client stopped relying on the lease: min(sent + ttl, release call).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import logging
 import random
 import sys
@@ -36,6 +39,13 @@ logging.getLogger("dblock.locker").setLevel(logging.ERROR)
 MODES = {"try": {}, "fair": {}, "fair-poll": {"notify": False}, "line": {"fair": False}}
 
 
+def broken(locker: Locker | AsyncLocker) -> None:
+    """Swap in the acquire statement DBLOCK_RACE_ACQUIRE names, if any (the faces read it per call)."""
+    sql = os.environ.get("DBLOCK_RACE_ACQUIRE")
+    if sql:
+        locker.backend.sql = dataclasses.replace(locker.backend.sql, acquire=sql)
+
+
 def main() -> None:
     url, table, name = sys.argv[1:4]
     ttl, threads, duration = float(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
@@ -47,6 +57,7 @@ def main() -> None:
         return
     options = {**MODES[mode], **(json.loads(sys.argv[8]) if len(sys.argv) > 8 else {})}
     locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01, **options)
+    broken(locker)
     # Connected before the start. Not by taking a lock: grants of other names draw from the same
     # token sequence and may commit out of order, which the test's audit (of every grant) would flag.
     locker.leases()
@@ -111,6 +122,7 @@ async def race_tasks(
 ) -> None:
     """The race with the asyncio API: ``tasks`` tasks on one loop instead of threads."""
     locker = AsyncLocker(url, table=table, poll_min=0.001, poll_max=0.01, **options)
+    broken(locker)
     await locker.leases()
     print("ready", flush=True)
     start_at = float(await asyncio.to_thread(sys.stdin.readline))

@@ -224,6 +224,50 @@ def test_g2_token_is_drawn_after_the_row_lock(pg: Db, variant: str) -> None:
         assert a_token < b_token, "the check above would not have caught the broken statement"
 
 
+# MariaDB's acquire, broken in the two ways its statement is written to avoid. Each keeps the
+# rest of dblock's block as it is; the race's checks must fail on each.
+MARIADB_MUTANTS = {
+    # The token read before the row is locked (a consistent read), then written after the wait:
+    # a grant that committed meanwhile drew the same number. A 0-3 ms pause after the read
+    # widens the window, as a busy server would.
+    "token drawn before the row lock": [
+        ("UPDATE {t} SET",
+         "SELECT token + 1 INTO @dblock_k FROM {t} WHERE name = %(name)s; DO SLEEP(RAND() * 0.003);\nUPDATE {t} SET"),
+        ("IF(owner <=> %(owner)s, token, token + 1), token),", "IF(owner <=> %(owner)s, token, @dblock_k), token),"),
+    ],
+    # owner assigned first (rightly, from the old values): the assignments after it read the new
+    # owner, so a takeover looks like the owner's own retry and keeps the previous holder's token.
+    "the condition reading a column assigned before it": [
+        ("    token = IF(@dblock_g :=",
+         "    owner = IF(owner IS NULL OR expires_at <= {now} OR owner = %(owner)s, %(owner)s, owner),\n"
+         "    token = IF(@dblock_g :="),
+        ("    owner = IF(@dblock_g, %(owner)s, owner)\nWHERE", "    label = label\nWHERE"),
+        ("GREATEST(expires_at,", "GREATEST(COALESCE(expires_at, 0),"),  # a released row has no expiry
+    ],
+}
+
+
+@pytest.mark.parametrize("backend", ["mariadb"])
+@pytest.mark.parametrize("mutant", sorted(MARIADB_MUTANTS))
+def test_the_race_catches_a_broken_mariadb_acquire(db: Db, mutant: str) -> None:
+    """The audited race with a broken acquire statement in every worker: its checks fail."""
+    from dblock.backends.mariadb import NOW
+
+    locker = db.locker()
+    broken = locker.backend.sql.acquire
+    for find, put in MARIADB_MUTANTS[mutant]:
+        find, put = find.format(t=db.table, now=NOW), put.format(t=db.table, now=NOW)
+        assert broken.count(find) == 1, f"the mutant no longer matches dblock's statement: {find!r}"
+        broken = broken.replace(find, put)
+    install_audit(db)
+    locker.try_acquire("warm").release()
+    env = {**os.environ, "DBLOCK_RACE_ACQUIRE": broken}
+    command = [sys.executable, str(HERE / "race_worker.py"), db.url, db.table, "hot", "0.005", "4", "3", "try"]
+    grants = [g for out in run_together([command] * 3, env=env) for g in json.loads(out)]
+    with pytest.raises(AssertionError):
+        assert_race_was_safe(db, grants)
+
+
 def test_g2_after_holder_crash(db: Db) -> None:
     """A holder killed with SIGKILL: the next grant, after its TTL, has a larger token."""
     holder = start_holder(db, "crash", 0.3)
