@@ -209,12 +209,23 @@ def read_plan(conn: Target, stmt: Select[Any], lease: TokenLike, column: str) ->
     stamp = update(target).values({col: case((col < bound, bound), else_=col)})
     if stmt.whereclause is not None:
         stamp = stamp.where(stmt.whereclause)
-    # The stored token comes back after the caller's columns, under a name of its own.
-    stamp = stamp.returning(*returning, col.label("dblock_fence_token"))
     # Through a Session, objects come back refreshed from the stamped row;
     # nothing else in the session is touched (a stale copy elsewhere fails its own flush).
     options = {"synchronize_session": False, "populate_existing": True} if isinstance(conn, Session) else {}
-    stamped: Result[Any] = yield Run(stamp, options=options)
+    stamped: Result[Any]
+    if _backend_for(_dialect(conn)).update_returning:
+        # The stored token comes back after the caller's columns, under a name of its own.
+        stamp = stamp.returning(*returning, col.label("dblock_fence_token"))
+        stamped = yield Run(stamp, options=options)
+    else:
+        # No UPDATE ... RETURNING (MariaDB): stamp, then read the rows the stamp matched, which it
+        # holds locked until the transaction ends (a locking read, so the latest rows).
+        yield Run(stamp, options={"synchronize_session": False} if isinstance(conn, Session) else {})
+        read = select(*returning, col.label("dblock_fence_token")).with_for_update()
+        if stmt.whereclause is not None:
+            read = read.where(stmt.whereclause)
+        read_options = {"populate_existing": True} if isinstance(conn, Session) else {}
+        stamped = yield Run(read, options=read_options)
     frozen = stamped.freeze()
     newest = max((row[-1] for row in frozen.data), default=None)
     if newest is not None and newest > token:
@@ -323,16 +334,13 @@ def upsert_plan(
     keys = list(index_elements) if index_elements is not None else [c.name for c in t.primary_key.columns]
     if not keys or any(k not in t.c for k in keys):
         raise ValueError(f"index_elements must name columns of {t.name!r} with a unique index, not {keys!r}")
-    insert = _insert_for(_dialect(conn))
-    stmt = insert(t).values({**values, column: token})
+    dialect = _dialect(conn)
     fence_col = t.c[column]
-    update = {k: stmt.excluded[k] for k in [*values, column] if k not in keys}
-    stmt = stmt.on_conflict_do_update(
-        index_elements=keys,
-        set_=update,
-        where=(fence_col < token) if strict else (fence_col <= token),
-    ).returning(fence_col)
-    if (yield Run(stmt)).first() is None:  # the row exists and DO UPDATE's WHERE refused this token
+    first, stmt, passed = _backend_for(dialect).fenced_upsert(dialect, t, dict(values), keys, column, token, strict)
+    stored = None if first is None else (yield Run(first)).scalar()
+    if (stored is not None and (stored >= token if strict else stored > token)) or not passed(
+        (yield Run(stmt)).first()
+    ):  # the row exists and the fence refused this token
         key = {k: values[k] for k in keys if k in values}
         winner = None
         if len(key) == len(keys):
@@ -376,16 +384,15 @@ def fence_plan(
     if schema is None and is_lease(lease):
         schema = lease.locker.schema
     t = _fences(check_identifier(table, "table"), None if schema is None else check_identifier(schema, "schema"))
-    insert = _insert_for(_dialect(conn))
-    stmt = insert(t).values(resource=resource, last_token=token)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["resource"],
-        set_={"last_token": stmt.excluded.last_token},
-        where=(t.c.last_token < token) if strict else (t.c.last_token <= token),
-    ).returning(t.c.last_token)
-    with _schema_hint(t.name):
-        passed = (yield Run(stmt)).first()
-    if passed is None:
+    dialect = _dialect(conn)
+    first, stmt, passed = _backend_for(dialect).fenced_upsert(
+        dialect, t, {"resource": resource}, ["resource"], "last_token", token, strict
+    )
+    with _schema_hint(t.name, dialect):
+        stored = None if first is None else (yield Run(first)).scalar()
+        refused_first = stored is not None and (stored >= token if strict else stored > token)
+        row = None if refused_first else (yield Run(stmt)).first()
+    if refused_first or not passed(row):
         winner = (yield Run(select(t.c.last_token).where(t.c.resource == resource))).scalar()
         raise refused(lease, f"resource {resource!r}", winner, strict)
 
@@ -415,7 +422,7 @@ def check_plan(conn: Target, lease: LeaseRef) -> Plan[None]:
         sql = backend.shared_check(prefix + quote(lease.table), prefix + quote(holders_table_name(lease.table)))
     else:
         sql = backend.lease_check(prefix + quote(lease.table))
-    with _schema_hint(lease.table):
+    with _schema_hint(lease.table, dialect):
         row = (yield Run(text(sql), {"name": lease.name, "owner": lease.owner, "token": lease.token})).first()
     if row is None:
         raise LeaseLost(
@@ -501,11 +508,11 @@ def _dialect(conn: Target) -> Dialect:
     raise TypeError(f"expected a SQLAlchemy Connection or Session, not {type(conn).__name__}")
 
 
-def _insert_for(dialect: Dialect) -> Any:
+def _backend_for(dialect: Dialect) -> type[backends.Backend]:
     try:
-        return backends.of(dialect).insert()
+        return backends.of(dialect)
     except ValueError:
-        raise ValueError(f"dblock's fenced upserts support PostgreSQL and SQLite, not {dialect.name}") from None
+        raise ValueError(f"dblock's fenced upserts support PostgreSQL, MariaDB and SQLite, not {dialect.name}") from None
 
 
 def _table(table: Any) -> Table:
@@ -564,7 +571,7 @@ def refuse_autocommit(conn: Target, what: str) -> None:
 
 
 def _in_autocommit(conn: Target) -> bool:
-    # The driver's own connection: psycopg's or sqlite3's, or under SQLAlchemy's
+    # The driver's own connection: psycopg's, sqlite3's or PyMySQL's, or under SQLAlchemy's
     # asyncio extension psycopg's AsyncConnection or aiosqlite's Connection
     # (loaded by whoever made it: dblock does not import aiosqlite).
     connection = conn.connection() if isinstance(conn, Session) else conn
@@ -574,6 +581,9 @@ def _in_autocommit(conn: Target) -> bool:
     aiosqlite = sys.modules.get("aiosqlite")
     if isinstance(driver, sqlite3.Connection) or (aiosqlite is not None and isinstance(driver, aiosqlite.Connection)):
         return driver.isolation_level is None
+    get_autocommit = getattr(driver, "get_autocommit", None)  # PyMySQL's and aiomysql's
+    if callable(get_autocommit):
+        return bool(get_autocommit())
     return False
 
 
@@ -609,14 +619,11 @@ def refused(
 
 
 @contextmanager
-def _schema_hint(table: str) -> Iterator[None]:
+def _schema_hint(table: str, dialect: Dialect) -> Iterator[None]:
     try:
         yield
     except DBAPIError as exc:
-        orig = exc.orig
-        if isinstance(orig, psycopg.errors.UndefinedTable) or (
-            isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
-        ):
+        if backends.of(dialect).missing_table(exc.orig):
             raise SchemaMissing(
                 f"dblock's table {table!r} is missing: run `dblock migrate` or call Locker.create_schema()"
             ) from exc

@@ -158,6 +158,18 @@ class Db:
             "mariadb": "UNIX_TIMESTAMP(NOW(6))",
         }[self.backend]
 
+    def lock_waits(self, like: str) -> bool:
+        """Whether a statement whose text is LIKE ``like`` waits for a row lock now (server databases)."""
+        if self.backend == "postgresql":
+            sql = "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s"
+        elif self.backend == "mariadb":
+            # A statement that has run for 200 ms: these tests' statements finish in a few ms unless a
+            # row lock holds them (information_schema.innodb_trx does not always list the waiter).
+            sql = "SELECT 1 FROM information_schema.processlist WHERE command = 'Query' AND time_ms > 200 AND info LIKE %s"
+        else:
+            raise ValueError(f"{self.backend} has no row locks")
+        return bool(self.query(sql, (like,)))
+
     def seconds(self, n: float) -> str:
         """``n`` seconds in SQL, to add to or take from the table's times."""
         return f"interval '{n} seconds'" if self.backend == "postgresql" else repr(float(n))

@@ -63,7 +63,7 @@ def apause(url: str, table: str, counter: str, ttl: float) -> None:
 
     async def main() -> None:
         async with dblock.AsyncLocker(url, table=table) as locker:
-            engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://"))
+            engine = create_async_engine(url.replace("sqlite://", "sqlite+aiosqlite://").replace("+pymysql://", "+aiomysql://"))
             t = counter_table(counter)
             lease = await locker.acquire("resource", ttl=ttl, timeout=10)
             print(lease.token, flush=True)

@@ -28,12 +28,13 @@ from dblock import FencedOut, LeaseLost, Locker, fence, fenced, fenced_read, fen
 from dblock.schema import fences_table_name
 
 from .workers import run_together
-from .conftest import Db, wait_for
+from .conftest import ALL_BACKENDS, Db, wait_for
 from .fence_worker import counter_table
 
 WORKER = str(Path(__file__).with_name("fence_worker.py"))
 RMW_WORKER = str(Path(__file__).with_name("rmw_worker.py"))
 ROOT = Path(__file__).resolve().parent.parent
+BACKENDS = ALL_BACKENDS
 
 
 class Counter:
@@ -60,6 +61,16 @@ class Counter:
             db.query(
                 f"CREATE TRIGGER {self.history}_t AFTER UPDATE ON {self.name} "
                 f"FOR EACH ROW EXECUTE FUNCTION {self.history}_log()"
+            )
+        elif db.backend == "mariadb":
+            db.query(
+                f"CREATE TABLE {self.name} (id INT PRIMARY KEY, n INT NOT NULL, owner INT NOT NULL,"
+                " fence_token BIGINT NOT NULL DEFAULT 0)"
+            )
+            db.query(f"CREATE TABLE {self.history} (seq BIGINT AUTO_INCREMENT PRIMARY KEY, token BIGINT NOT NULL)")
+            db.query(
+                f"CREATE TRIGGER {self.history}_t AFTER UPDATE ON {self.name} "
+                f"FOR EACH ROW INSERT INTO {self.history} (token) VALUES (NEW.fence_token)"
             )
         else:
             db.query(
@@ -287,6 +298,8 @@ def test_fenced_upsert_inserts_updates_and_refuses_stale(db: Db, counter: Counte
 
 
 def test_fenced_update_with_returning(db: Db, counter: Counter) -> None:
+    if not db.locker().backend.update_returning:
+        pytest.skip("MariaDB's UPDATE has no RETURNING")
     old = db.locker().acquire("resource", ttl=0.05)
     new = takeover(db.locker(), "resource")
     t = counter.table
@@ -315,13 +328,17 @@ def write_n(conn: Any, counter: Counter, lease: Any, n: int) -> None:
 
 
 def test_fenced_read_stamps_and_reads_in_one_statement(db: Db, counter: Counter) -> None:
-    lease = db.locker().acquire("resource")
+    """One UPDATE ... RETURNING; without RETURNING on UPDATE (MariaDB), the stamp and a locking
+    read of the rows it stamped, in the caller's transaction."""
+    locker = db.locker()
+    lease = locker.acquire("resource")
+    stamp = 1 if locker.backend.update_returning else 2
     counter.statements.clear()
     with counter.engine.begin() as conn:
         n = stamp_and_read_n(conn, counter, lease)
-        assert len(counter.statements) == 1 and counter.statements[0].startswith("UPDATE")
+        assert len(counter.statements) == stamp and counter.statements[0].startswith("UPDATE")
         write_n(conn, counter, lease, n + 1)
-    assert len(counter.statements) == 2  # the stamp and the write: no extra SELECT
+    assert len(counter.statements) == stamp + 1  # the stamp and the write: no extra SELECT
     assert counter.row() == (1, 0, lease.token)
     with counter.engine.begin() as conn:  # the same lease again: its own stamp does not refuse it
         assert stamp_and_read_n(conn, counter, lease) == 1
@@ -415,13 +432,8 @@ def test_stamp_first_in_one_transaction_makes_the_newer_holder_read_the_older_on
     thread.start()
     b_waited = True
     try:
-        if db.backend == "postgresql":  # B's stamp waits for the row lock A's stamp holds
-            waiting = lambda: bool(  # noqa: E731
-                db.query(
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                    (f"UPDATE {counter.name}%",),
-                )
-            )
+        if db.backend != "sqlite":  # B's stamp waits for the row lock A's stamp holds
+            waiting = lambda: db.lock_waits(f"UPDATE {counter.name}%")  # noqa: E731
             wait_for(lambda: waiting() or not thread.is_alive(), what="B's stamp to wait or finish")
             b_waited = thread.is_alive()
         else:  # A's stamp holds SQLite's write lock, so B's takeover waits for A's commit
@@ -599,18 +611,14 @@ class Takeover:
         self.other = db.locker()
         self.granted: list[dblock.Lease] = []
         self.thread: threading.Thread | None = None
-        if db.backend == "postgresql":
+        if db.backend != "sqlite":
             self.thread = threading.Thread(target=self._acquire)
             self.thread.start()
             # The takeover's UPDATE waits for the row lock that the check holds, or is granted.
-            waiting = lambda: bool(  # noqa: E731
-                db.query(
-                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-                    (f"%{db.table}%",),
-                )
-            )
             thread = self.thread
-            wait_for(lambda: waiting() or not thread.is_alive(), what="the takeover to wait or finish")
+            wait_for(
+                lambda: db.lock_waits(f"%{db.table}%") or not thread.is_alive(), what="the takeover to wait or finish"
+            )
         else:
             try:  # the takeover needs SQLite's write lock, which the check took
                 self.granted.append(self.other.acquire("resource", timeout=0.2))
@@ -657,7 +665,8 @@ def test_without_the_row_lock_the_takeover_slips_in(
     db: Db, counter: Counter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mutant: the same check as a plain read. The takeover is then granted before the commit."""
-    from dblock.backends import PostgreSQL, SQLite
+    from dblock.backends import MariaDB, PostgreSQL, SQLite
+    from dblock.backends.mariadb import CLOCK
     from dblock.statements import SQLITE_NOW
 
     def plain_read(now: str) -> Any:
@@ -668,6 +677,7 @@ def test_without_the_row_lock_the_takeover_slips_in(
 
     monkeypatch.setattr(PostgreSQL, "lease_check", plain_read("clock_timestamp()"))
     monkeypatch.setattr(SQLite, "lease_check", plain_read(SQLITE_NOW))
+    monkeypatch.setattr(MariaDB, "lease_check", plain_read(CLOCK))
     before, _ = _guarded_takeover(db, counter)
     assert before is True
 

@@ -330,6 +330,33 @@ class Backend:
         """The dialect's ``insert`` construct with ON CONFLICT, for fenced upserts."""
         raise NotImplementedError
 
+    @classmethod
+    def fenced_upsert(
+        cls, dialect: Dialect, table: Any, values: dict[str, Any], keys: list[str], column: str, token: int, strict: bool
+    ) -> tuple[Any, Any, Any]:
+        """A fenced upsert of one row: (a statement to run first, or None; the upsert; and
+        ``passed(first_row)``, True when the upsert wrote the row). The row is inserted stamped
+        with ``token``, or updated, stamp included, only if its stored token lets ``token``
+        through (``strict``: is below it); otherwise nothing is written. The first statement,
+        where there is one, returns the stored token of a row it locks: when that already
+        refuses ``token``, the upsert is not sent."""
+        fence = table.c[column]
+        stmt = cls.insert()(table).values({**values, column: token})
+        update = {k: stmt.excluded[k] for k in [*values, column] if k not in keys}
+        stmt = stmt.on_conflict_do_update(
+            index_elements=keys, set_=update, where=(fence < token) if strict else (fence <= token)
+        ).returning(fence)
+        return None, stmt, lambda row: row is not None
+
+    @staticmethod
+    def missing_table(orig: BaseException) -> bool:
+        """Whether a driver error (of any driver of this database, the app's too) says a table is missing."""
+        raise NotImplementedError
+
+    # Whether an UPDATE can return rows (fenced_read stamps and reads in one statement); without,
+    # it stamps, then reads the rows it stamped (and holds locked) in the same transaction.
+    update_returning: ClassVar[bool] = True
+
 
 # A shared lease is a row of the holders table: (name, owner) with its own token
 # and expiry, and lim, the limit it was granted under (NULL for a reader). While

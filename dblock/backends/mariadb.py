@@ -44,7 +44,7 @@ import re
 import time
 from typing import Any, ClassVar, Sequence
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, func, literal_column, select, text
 from sqlalchemy.dialects.mysql import insert as mysql_insert
 from sqlalchemy.engine import URL, Dialect, Engine
 from sqlalchemy.exc import DBAPIError
@@ -88,12 +88,17 @@ _CONNECT_KEYWORDS = {
 # aborts a statement that runs past it. prune forgets no name granted within twice this.
 STATEMENT_LIFE = 60
 PRUNE_FLOOR = 2 * STATEMENT_LIFE  # MariaDB.caps.prune_floor
+# A wait for a row lock (one of dblock's own statements holds it for a moment; an app's
+# transaction after check_lease, until it commits) gives up after this many seconds, and the
+# statement is sent again (error 1205): a statement whose client was cut off at its deadline
+# does not linger on the server holding its place for longer.
+LOCK_WAIT = 5
 # READ COMMITTED: a new name's first token reads the largest committed token without locking
 # that row (under REPEATABLE READ the read takes a shared lock on it, and two grants of the
 # name that holds it, each holding that lock and waiting for the other's, deadlock).
 _SESSION = (
     "SET SESSION time_zone = '+00:00', SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION',"
-    f" SESSION max_statement_time = {STATEMENT_LIFE}, SESSION innodb_lock_wait_timeout = {STATEMENT_LIFE - 10};"
+    f" SESSION max_statement_time = {STATEMENT_LIFE}, SESSION innodb_lock_wait_timeout = {LOCK_WAIT};"
     " SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 )
 
@@ -241,7 +246,7 @@ class MariaDB(Backend):
         # app's connection has set.
         return (
             "SET STATEMENT time_zone = '+00:00' FOR "
-            f"SELECT token FROM {t} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s"
+            f"SELECT token FROM {t} WHERE name = :name AND owner = :owner AND token = :token"
             f" AND expires_at > {CLOCK} LOCK IN SHARE MODE"
         )
 
@@ -250,13 +255,48 @@ class MariaDB(Backend):
         return (
             "SET STATEMENT time_zone = '+00:00' FOR "
             f"SELECT x.token FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = {_SHARED}"
-            f" WHERE x.name = %(name)s AND x.owner = %(owner)s AND x.token = %(token)s"
+            " WHERE x.name = :name AND x.owner = :owner AND x.token = :token"
             f" AND x.expires_at > {CLOCK} LOCK IN SHARE MODE"
         )
+
+    @staticmethod
+    def missing_table(orig: BaseException) -> bool:
+        return _code(orig) in _NO_TABLE
 
     @classmethod
     def insert(cls) -> Any:
         return mysql_insert
+
+    update_returning = False  # MariaDB's UPDATE has no RETURNING
+
+    @classmethod
+    def fenced_upsert(
+        cls, dialect: Dialect, table: Any, values: dict[str, Any], keys: list[str], column: str, token: int, strict: bool
+    ) -> tuple[Any, Any, Any]:
+        # INSERT ... ON DUPLICATE KEY UPDATE has no WHERE: each column keeps its value unless the
+        # fence lets the token through, decided once from the row's old values into @dblock_f
+        # (assignments run left to right, each seeing those before it), the fence itself
+        # assigned last. RETURNING gives the stored fence: the token when the row was written,
+        # a newer one when the fence refused it. (It cannot give @dblock_f: MariaDB reads a
+        # user variable there as it was before the statement.) In strict mode an equal token
+        # refuses too, which the stored fence cannot tell from a write: a locking read of the
+        # row's fence goes first, and an equal or newer one refuses before the upsert is sent.
+        quote = dialect.identifier_preparer.quote
+        fence = table.c[column]
+        decide = literal_column(f"(@dblock_f := ({quote(column)} {'<' if strict else '<='} {int(token)}))")
+        stmt = mysql_insert(table).values({**values, column: token})
+        changed = [k for k in values if k not in keys]
+        update: list[tuple[str, Any]] = []  # in this order (names: as the compiler looks them up)
+        for i, k in enumerate(changed):
+            flag = decide if i == 0 else literal_column("@dblock_f")
+            update.append((k, func.IF(flag, stmt.inserted[k], table.c[k])))
+        flag = decide if not changed else literal_column("@dblock_f")
+        update.append((column, func.IF(flag, int(token), fence)))
+        stmt = stmt.on_duplicate_key_update(update).returning(fence)
+        first = None
+        if strict and all(k in values for k in keys):
+            first = select(fence).where(*[table.c[k] == values[k] for k in keys]).with_for_update()
+        return first, stmt, lambda row: row is not None and row[0] == token
 
     # -- engines -----------------------------------------------------------------------
     @classmethod

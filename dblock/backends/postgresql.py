@@ -261,6 +261,11 @@ class PostgreSQL(Backend):
             " AND x.expires_at > clock_timestamp() FOR SHARE OF l"
         )
 
+    @staticmethod
+    def missing_table(orig: BaseException) -> bool:
+        # psycopg's sqlstate, psycopg2's pgcode: undefined_table.
+        return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "42P01"
+
     @classmethod
     def insert(cls) -> Any:
         return pg_insert

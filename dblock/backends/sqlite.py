@@ -139,6 +139,10 @@ class SQLite(Backend):
             f" AND EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = :name AND l.owner = {_SHARED}) RETURNING token"
         )
 
+    @staticmethod
+    def missing_table(orig: BaseException) -> bool:
+        return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
+
     @classmethod
     def insert(cls) -> Any:
         return sqlite_insert
