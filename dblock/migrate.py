@@ -610,13 +610,18 @@ def _version_table(name: str, schema: str | None) -> Table:
 
 def _versions(conn: Connection, insp: Inspector, name: str, schema: str | None) -> frozenset[str] | None:
     """The revisions an Alembic version table records; None if it does not exist."""
-    if not insp.has_table(name, schema=schema):
-        return None
+    try:
+        if not insp.has_table(name, schema=schema):
+            return None
+    except DBAPIError as exc:  # MariaDB: a table the user may not read may not be described either
+        if backends.of(conn).denied(exc.orig):
+            return _UNREADABLE
+        raise
     version_table = _version_table(name, schema)
     try:
         return frozenset(conn.execute(select(version_table.c.version_num)).scalars())
     except DBAPIError as exc:
-        if getattr(exc.orig, "sqlstate", None) == "42501":
+        if backends.of(conn).denied(exc.orig):
             return _UNREADABLE
         raise
 
@@ -656,7 +661,7 @@ def _translate(exc: BaseException, engine: Engine, table: str) -> DBLockError:
     reason = lines[0] if lines else type(orig).__name__
     sqlstate = getattr(orig, "sqlstate", None)
     where = engine.url.render_as_string(hide_password=True)
-    if sqlstate == "42501":
+    if backends.of(engine).denied(orig):
         statement = getattr(exc, "statement", None) or ""
         role = engine.url.username or "(default)"
         return PermissionDenied(

@@ -19,6 +19,13 @@ For asyncio tests (with pytest-asyncio, or anyio's pytest plugin):
   another asyncio client holding ``name``;
 - ``dblock_expire`` takes an ``AsyncLease`` too.
 
+On MariaDB:
+
+- ``dblock_mariadb_url`` (session): a MariaDB URL (``--dblock-mariadb-url``,
+  ``$DBLOCK_TEST_MARIADB_URL`` or the ``dblock_mariadb_url`` ini option; else a throwaway
+  server the plugin starts with the machine's ``mariadbd``, ``apt-get install mariadb-server``);
+- ``dblock_mariadb_locker``: a Locker on a fresh MariaDB database, dropped after the test.
+
 Settings, each a command-line flag and an ini option (the flag wins):
 ``--dblock-url`` / ``dblock_url`` (also ``$DBLOCK_TEST_URL``, which beats the ini
 file; with none of them a throwaway server from the ``pgserver`` package,
@@ -48,6 +55,7 @@ except ImportError:  # pragma: no cover - without pytest-asyncio
 
 T = TypeVar("T")
 ENV_URL = "DBLOCK_TEST_URL"
+ENV_MARIADB_URL = "DBLOCK_TEST_MARIADB_URL"
 
 
 class PostgreSQL(NamedTuple):
@@ -66,8 +74,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     ttl_help = "default lease length, in seconds, of the dblock_locker fixture's Locker (default: 30)"
     group.addoption("--dblock-url", dest="dblock_url", metavar="URL", help=url_help)
     group.addoption("--dblock-ttl", dest="dblock_ttl", metavar="SECONDS", help=ttl_help)
+    maria_help = (
+        f"MariaDB URL for the dblock_mariadb_* fixtures (default: ${ENV_MARIADB_URL}, else the "
+        "dblock_mariadb_url ini option, else a throwaway server started with the machine's mariadbd)"
+    )
+    group.addoption("--dblock-mariadb-url", dest="dblock_mariadb_url", metavar="URL", help=maria_help)
     parser.addini("dblock_url", url_help)
     parser.addini("dblock_ttl", ttl_help)
+    parser.addini("dblock_mariadb_url", maria_help)
 
 
 def _setting(config: pytest.Config, name: str, env: str | None = None) -> str | None:
@@ -180,6 +194,51 @@ async def dblock_async_locker(dblock_url: str, request: pytest.FixtureRequest) -
     finally:
         await locker.aclose()
         await asyncio.to_thread(_drop_schema, locker)
+
+
+@pytest.fixture(scope="session")
+def dblock_mariadb_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A SQLAlchemy URL (``mariadb+pymysql://``) of a MariaDB server the tests may create databases on:
+    the configured one, or a throwaway server stopped after the session."""
+    url = _setting(request.config, "dblock_mariadb_url", ENV_MARIADB_URL)
+    if url is not None:
+        yield url
+        return
+    from dblock import _mariadb_server  # noqa: PLC0415
+
+    found = _mariadb_server.find()
+    if isinstance(found, str):
+        pytest.fail(f"the dblock_mariadb fixtures need a MariaDB: pass --dblock-mariadb-url, or {found}", pytrace=False)
+    server = _mariadb_server.MariaDBServer.start()  # in /dev/shm where it can, in a directory of its own
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def dblock_mariadb_locker(dblock_mariadb_url: str, request: pytest.FixtureRequest) -> Iterator[Locker]:
+    """A Locker with its tables migrated in a fresh MariaDB database, dropped after the test."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from dblock import Locker
+    from dblock.backends.mariadb import pymysql_url
+
+    server = pymysql_url(make_url(dblock_mariadb_url))
+    database = "dblock_test_" + secrets.token_hex(5)
+    admin = create_engine(server)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE DATABASE {database}"))
+    locker = Locker(server.set(database=database), ttl=_ttl(request))
+    try:
+        locker.create_schema()
+        yield locker
+    finally:
+        locker.close()
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {database}"))
+        admin.dispose()
 
 
 def _ttl(request: pytest.FixtureRequest) -> float:

@@ -119,25 +119,19 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def mariadb_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mariadb_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A SQLAlchemy URL of a MariaDB database the tests may create tables in: DBLOCK_TEST_MARIADB_URL,
     else a throwaway server started for the session (skipped, saying why, where MariaDB is not installed)."""
     import os
 
     from dblock import _mariadb_server
 
-    url = os.environ.get("DBLOCK_TEST_MARIADB_URL")
-    if url:
-        yield url
-        return
-    found = _mariadb_server.find()
-    if isinstance(found, str):
-        pytest.skip(found)
-    server = _mariadb_server.MariaDBServer.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    if not os.environ.get("DBLOCK_TEST_MARIADB_URL"):
+        found = _mariadb_server.find()
+        if isinstance(found, str):
+            pytest.skip(found)
+    # dblock's own plugin fixture: DBLOCK_TEST_MARIADB_URL, else a throwaway server for the session.
+    yield request.getfixturevalue("dblock_mariadb_url")
 
 
 class Db:

@@ -22,6 +22,33 @@ SAMPLE = re.compile(r"(?:<!-- tested: (\S+) -->\n)?```(\w+)\n(.*?)```", re.S)
 SAMPLE_URL = re.compile(r"postgresql(?:\+psycopg)?://app@db/\w+")
 
 
+# The same for MariaDB's samples.
+MARIADB_SAMPLE_URL = re.compile(r"(?:mariadb|mysql)(?:\+pymysql)?://app@db/\w+")
+
+
+def create_mariadb_database(url: str) -> str:
+    """A new, empty database on the MariaDB server of ``url``: its URL (drop it with drop_mariadb_database)."""
+    from .conftest import mariadb_connect
+
+    name = "docs_" + secrets.token_hex(5)
+    conn = mariadb_connect(url)
+    try:
+        conn.cursor().execute(f"CREATE DATABASE {name}")
+    finally:
+        conn.close()
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def drop_mariadb_database(url: str) -> None:
+    from .conftest import mariadb_connect
+
+    conn = mariadb_connect(url)
+    try:
+        conn.cursor().execute(f"DROP DATABASE IF EXISTS {make_url(url).database}")
+    finally:
+        conn.close()
+
+
 def page(name: str) -> str:
     return (DOCS / name).read_text()
 

@@ -37,6 +37,7 @@ def main() -> None:
     elif spec.get("broken") == "writer":  # the write (exclusive) acquire ignores shared holders
         sql = locker.backend.sql.acquire.replace("l.owner IS NULL OR", "l.owner IS NULL OR l.owner = '*shared' OR")
         sql = sql.replace("WHERE owner IS NULL OR", "WHERE owner IS NULL OR owner = '*shared' OR")
+        sql = sql.replace("@dblock_g := (owner IS NULL OR", "@dblock_g := (owner IS NULL OR owner = '*shared' OR")  # MariaDB
         assert sql != locker.backend.sql.acquire
         locker.backend.sql = dataclasses.replace(locker.backend.sql, acquire=sql)
     locker.leases()

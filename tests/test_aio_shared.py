@@ -18,7 +18,9 @@ import pytest
 from dblock import AsyncLease, AsyncLocker, DatabaseUnavailable, Locker
 from dblock import _core as core
 
-from .conftest import Db
+from .conftest import ALL_BACKENDS, Db
+
+BACKENDS = ALL_BACKENDS
 from .workers import race_cancel_with_hand_off
 from .test_waiting_faces_async import count_statements
 
@@ -33,7 +35,7 @@ def alocker(db: Db, **options: Any) -> AsyncLocker:
 
 def holding(db: Db, name: str) -> int:
     """Live shared leases of ``name``, by the database's clock."""
-    now = "now()" if db.backend == "postgresql" else "((julianday('now') - 2440587.5) * 86400.0)"
+    now = db.now
     return db.query(f"SELECT count(*) FROM {db.table}_holders WHERE name = %s AND expires_at > {now}", (name,))[0][0]
 
 

@@ -10,7 +10,9 @@ import pytest
 
 from dblock import LeaseLost, Locker, LockNotAcquired, current_lease
 
-from .conftest import Db, wait_for
+from .conftest import ALL_BACKENDS, Db, wait_for
+
+BACKENDS = ALL_BACKENDS
 
 
 def test_a_function_runs_holding_the_lock_and_releases_it(db: Db) -> None:

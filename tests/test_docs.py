@@ -25,7 +25,20 @@ from sqlalchemy.engine import Engine, make_url
 from dblock import Locker
 
 from .conftest import Db, libpq_dsn
-from .docs import DOCS, ROOT, SAMPLE_URL, blocks, create_database, drop_database, page, samples, section
+from .docs import (
+    DOCS,
+    MARIADB_SAMPLE_URL,
+    ROOT,
+    SAMPLE_URL,
+    blocks,
+    create_database,
+    create_mariadb_database,
+    drop_database,
+    drop_mariadb_database,
+    page,
+    samples,
+    section,
+)
 
 PAGES = sorted(path.name for path in DOCS.glob("*.md"))
 SITE_URL = "https://dblock.readthedocs.io/en/latest/"
@@ -102,16 +115,28 @@ def close_what_it_opened(namespace: dict[str, Any]) -> None:
             value.dispose()
 
 
+def mariadb_scratch(name: str, request: pytest.FixtureRequest) -> str | None:
+    """A scratch MariaDB database for a page whose samples name one (skipped where MariaDB cannot be had)."""
+    if not MARIADB_SAMPLE_URL.search(page(name)):
+        return None
+    return create_mariadb_database(request.getfixturevalue("mariadb_url"))
+
+
 @pytest.mark.parametrize("name", [name for name in PAGES if any(t is None for t, _ in samples(name))])
-def test_the_samples_of_a_page_run(name: str, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_samples_of_a_page_run(
+    name: str, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     monkeypatch.setenv("DBLOCK_HOME", str(tmp_path))  # Locker(): a SQLite file of this test's
     monkeypatch.delenv("DBLOCK_URL", raising=False)
+    maria = mariadb_scratch(name, request)
     url = create_database(pg_url)
     try:
         for i, (tested, code) in enumerate(samples(name)):
             if tested is not None:
                 continue
             code = SAMPLE_URL.sub(lambda m: url if "+" in m.group(0) else url.replace("+psycopg", ""), code)
+            if maria is not None:
+                code = MARIADB_SAMPLE_URL.sub(maria, code)
             module = types.ModuleType(f"docs_{name.removesuffix('.md').replace('-', '_')}_{i}")
             sys.modules[module.__name__] = module  # the ORM resolves annotations through sys.modules
             try:
@@ -121,6 +146,8 @@ def test_the_samples_of_a_page_run(name: str, pg_url: str, tmp_path: Path, monke
                 del sys.modules[module.__name__]
     finally:
         drop_database(pg_url, url)
+        if maria is not None:
+            drop_mariadb_database(maria)
 
 
 # Shell lines the samples test leaves alone: installs, servers and the contributor's test command
@@ -129,9 +156,10 @@ NOT_RUN = ("pip install ", "sh tests/install-pgbouncer.sh ", "python manage.py d
 
 
 @pytest.mark.parametrize("name", [name for name in PAGES if blocks(page(name), "sh")])
-def test_the_shell_samples_of_a_page_run(name: str, pg_url: str, tmp_path: Path) -> None:
+def test_the_shell_samples_of_a_page_run(name: str, pg_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """Each `dblock ...` line, in order, with the installed command, on the page's own scratch
     database (for a --url) and SQLite file (for the embedded default)."""
+    maria = mariadb_scratch(name, request)
     url = create_database(pg_url)
     env = {"DBLOCK_HOME": str(tmp_path), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
     try:
@@ -140,10 +168,14 @@ def test_the_shell_samples_of_a_page_run(name: str, pg_url: str, tmp_path: Path)
                 continue
             assert line.startswith("dblock "), f"docs/{name}: a shell line no test runs: {line}"
             command = SAMPLE_URL.sub(url.replace("+psycopg", ""), line)
+            if maria is not None:
+                command = MARIADB_SAMPLE_URL.sub(maria, command)
             out = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, (line, out.stdout + out.stderr)
     finally:
         drop_database(pg_url, url)
+        if maria is not None:
+            drop_mariadb_database(maria)
 
 
 @pytest.mark.parametrize("name", PAGES)

@@ -21,7 +21,9 @@ import pytest
 
 from dblock import LeaseLost, Locker, LockNotAcquired
 
-from .conftest import Db, libpq_dsn, wait_for, warm_waiting
+from .conftest import ALL_BACKENDS, Db, libpq_dsn, wait_for, warm_waiting
+
+BACKENDS = ALL_BACKENDS
 from .pgproxy import PgProxy
 from .test_faces_async import row, span  # the lock's row by the database clock
 from .test_waiting import count_statements, in_thread, joined, queue

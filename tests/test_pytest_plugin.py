@@ -208,7 +208,7 @@ def test_plugin_fixtures_leave_the_projects_own_fixtures_alone(pytester: pytest.
     names = set(re.findall(r"^(dblock_\w+)", listed.stdout.str(), re.M))
     assert names == {
         "dblock_postgresql", "dblock_url", "dblock_locker", "dblock_expire", "dblock_compete",
-        "dblock_async_locker", "dblock_acompete",
+        "dblock_async_locker", "dblock_acompete", "dblock_mariadb_url", "dblock_mariadb_locker",
     }
 
 
@@ -232,3 +232,42 @@ def test_the_plugin_costs_nothing_until_a_fixture_is_used(tmp_path: Path) -> Non
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+MARIADB_TESTS = '''
+import dblock
+import pytest
+
+
+def test_an_expired_lease_is_taken_over_on_mariadb(dblock_mariadb_locker, dblock_expire, dblock_compete):
+    lease = dblock_mariadb_locker.acquire("job")
+    dblock_expire(lease)
+    newer = dblock_compete("job", lambda other: other.token, locker=dblock_mariadb_locker)
+    assert newer > lease.token
+    with pytest.raises(dblock.LeaseLost):
+        lease.extend()
+    with open("databases.txt", "a") as f:
+        f.write(dblock_mariadb_locker.engine.url.database + "\\n")
+
+
+def test_each_test_gets_a_fresh_database(dblock_mariadb_locker):
+    assert dblock_mariadb_locker.leases() == []
+    with open("databases.txt", "a") as f:
+        f.write(dblock_mariadb_locker.engine.url.database + "\\n")
+'''
+
+
+def test_the_mariadb_fixtures_start_a_throwaway_server(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no MariaDB URL configured, the plugin starts a server of its own for the session (the
+    machine's mariadbd), and each dblock_mariadb_locker works in a fresh database, dropped after."""
+    from dblock import _mariadb_server
+
+    found = _mariadb_server.find()
+    if isinstance(found, str):
+        pytest.skip(found)
+    pytester.makepyfile(test_maria=MARIADB_TESTS)
+    monkeypatch.delenv("DBLOCK_TEST_MARIADB_URL", raising=False)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    databases = (pytester.path / "databases.txt").read_text().split()
+    assert len(set(databases)) == 2 and all(d.startswith("dblock_test_") for d in databases)

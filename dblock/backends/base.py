@@ -349,7 +349,12 @@ class Backend:
         return None, stmt, lambda row: row is not None
 
     @staticmethod
-    def missing_table(orig: BaseException) -> bool:
+    def denied(orig: BaseException | None) -> bool:
+        """Whether a driver error says the user lacks a privilege (any driver of this database)."""
+        return False
+
+    @staticmethod
+    def missing_table(orig: BaseException | None) -> bool:
         """Whether a driver error (of any driver of this database, the app's too) says a table is missing."""
         raise NotImplementedError
 

@@ -260,8 +260,12 @@ class MariaDB(Backend):
         )
 
     @staticmethod
-    def missing_table(orig: BaseException) -> bool:
-        return _code(orig) in _NO_TABLE
+    def denied(orig: BaseException | None) -> bool:
+        return orig is not None and _code(orig) in _PRIVILEGE
+
+    @staticmethod
+    def missing_table(orig: BaseException | None) -> bool:
+        return orig is not None and _code(orig) in _NO_TABLE
 
     @classmethod
     def insert(cls) -> Any:
@@ -283,8 +287,8 @@ class MariaDB(Backend):
         # row's fence goes first, and an equal or newer one refuses before the upsert is sent.
         quote = dialect.identifier_preparer.quote
         fence = table.c[column]
-        decide = literal_column(f"(@dblock_f := ({quote(column)} {'<' if strict else '<='} {int(token)}))")
-        stmt = mysql_insert(table).values({**values, column: token})
+        decide: Any = literal_column(f"(@dblock_f := ({quote(column)} {'<' if strict else '<='} {int(token)}))")
+        stmt: Any = mysql_insert(table).values({**values, column: token})
         changed = [k for k in values if k not in keys]
         update: list[tuple[str, Any]] = []  # in this order (names: as the compiler looks them up)
         for i, k in enumerate(changed):
@@ -431,7 +435,7 @@ def _engine(url: URL) -> Engine:
     return create_engine(url, poolclass=NullPool, connect_args=connect_args)
 
 
-def _code(exc: BaseException) -> int | None:
+def _code(exc: BaseException | None) -> int | None:
     args = getattr(exc, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
 

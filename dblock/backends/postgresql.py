@@ -262,7 +262,11 @@ class PostgreSQL(Backend):
         )
 
     @staticmethod
-    def missing_table(orig: BaseException) -> bool:
+    def denied(orig: BaseException | None) -> bool:
+        return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "42501"
+
+    @staticmethod
+    def missing_table(orig: BaseException | None) -> bool:
         # psycopg's sqlstate, psycopg2's pgcode: undefined_table.
         return (getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)) == "42P01"
 

@@ -140,7 +140,7 @@ class SQLite(Backend):
         )
 
     @staticmethod
-    def missing_table(orig: BaseException) -> bool:
+    def missing_table(orig: BaseException | None) -> bool:
         return isinstance(orig, sqlite3.OperationalError) and "no such table" in str(orig)
 
     @classmethod

@@ -1,0 +1,118 @@
+"""What is MariaDB's own: the command line on it, its URLs, byte-for-byte names, prune's floor, the
+least-privilege grants docs/mariadb.md lists, and MySQL servers refused. (The backend contract, both
+faces, the guarantees' race, fencing and shared leases run on MariaDB in their own files.)"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from sqlalchemy.engine import make_url
+
+import dblock
+from dblock import Locker
+from dblock.backends.mariadb import check_server
+
+from .conftest import Db, mariadb_connect
+from .docs import blocks, section
+
+BACKENDS = ("mariadb",)
+DBLOCK = [sys.executable, "-m", "dblock"]
+
+
+def cli(db: Db, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DBLOCK, "--url", db.url, "--table", db.table, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_the_command_line_runs_on_mariadb(db: Db) -> None:
+    """migrate, run, status and release --force against a MariaDB URL."""
+    assert cli(db, "migrate").returncode == 0
+    ran = cli(db, "run", "nightly", "--", sys.executable, "-c", "import os; print(os.environ['DBLOCK_TOKEN'])")
+    assert ran.returncode == 0, ran.stderr
+    token = int(ran.stdout)
+    holder = Locker(db.url, table=db.table).acquire("held", ttl=60)
+    status = cli(db, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert [row["name"] for row in json.loads(status.stdout)] == ["held"]
+    busy = cli(db, "run", "held", "--", "true")
+    assert busy.returncode == 75 and "held by" in busy.stderr
+    assert cli(db, "release", "held", "--force", "--yes").returncode == 0
+    again = cli(db, "run", "nightly", "--", sys.executable, "-c", "import os; print(os.environ['DBLOCK_TOKEN'])")
+    assert int(again.stdout) > token
+    assert holder.release() is False  # the operator ended it
+
+
+def test_names_are_compared_byte_for_byte(db: Db) -> None:
+    """'job', 'Job' and 'job ' are three locks, as on PostgreSQL (the tables' no-pad binary collation)."""
+    locker = db.locker()
+    leases = [locker.try_acquire(name, ttl=30) for name in ("job", "Job", "job ", "jöb")]
+    assert all(lease is not None for lease in leases)
+    assert sorted(info.name for info in locker.leases()) == sorted(["job", "Job", "job ", "jöb"])
+
+
+def test_prune_keeps_a_name_granted_within_its_floor(db: Db) -> None:
+    """older_than below the floor: a name granted a moment ago is kept, one granted before the floor goes."""
+    locker = db.locker()
+    assert locker.backend.caps.prune_floor == 120
+    locker.try_acquire("recent", ttl=0.01).release()
+    locker.try_acquire("old", ttl=0.01).release()
+    locker.try_acquire("top", ttl=0.01).release()  # the largest token: always kept
+    db.query(f"UPDATE {db.table} SET acquired_at = acquired_at - 121 WHERE name = 'old'")
+    assert locker.prune(older_than=0.001) == 1
+    assert sorted(r[0] for r in db.rows()) == ["recent", "top"]
+
+
+def test_url_typos_are_refused_when_the_locker_is_made(db: Db) -> None:
+    url = make_url(db.url).update_query_dict({"chraset": "utf8mb4"}).render_as_string(hide_password=False)
+    with pytest.raises(ValueError, match="chraset"):
+        Locker(url)
+
+
+def test_a_mysql_server_is_refused_and_old_mariadb_too() -> None:
+    with pytest.raises(dblock.DBLockError, match="not on MySQL"):
+        check_server("8.0.36", "mysql://db/app")
+    with pytest.raises(dblock.DBLockError, match="10.6 or newer"):
+        check_server("5.5.5-10.5.22-MariaDB", "mariadb://db/app")
+    check_server("5.5.5-10.11.19-MariaDB-0+deb12u1", "mariadb://db/app")
+    check_server("11.4.2-MariaDB", "mariadb://db/app")
+
+
+@pytest.fixture
+def app_user(db: Db) -> Iterator[str]:
+    """A user with only the grants docs/mariadb.md lists, on the test's database and table."""
+    url = make_url(db.url)
+    database, user, password = url.database, "app_" + secrets.token_hex(4), secrets.token_hex(8)
+    (grants,) = blocks(section("mariadb.md", "Least privilege"), "sql")
+    grants = grants.replace("app.alembic_version_dblock", f"{database}.alembic_version_dblock_{db.table}")
+    grants = grants.replace("app.locks_holders", f"{database}.{db.table}_holders").replace(
+        "app.fences", f"{database}.{db.table}_fences").replace("app.locks", f"{database}.{db.table}")
+    grants = grants.replace("'app_user'@'%'", f"'{user}'@'%'")
+    conn = mariadb_connect(db.url)
+    try:
+        conn.cursor().execute(f"CREATE USER '{user}'@'%' IDENTIFIED BY '{password}'")
+        for grant in filter(None, (g.strip() for g in grants.split(";"))):
+            conn.cursor().execute(grant)
+        yield url.set(username=user, password=password).render_as_string(hide_password=False)
+    finally:
+        conn.cursor().execute(f"DROP USER IF EXISTS '{user}'@'%'")
+        conn.close()
+
+
+def test_the_documented_grants_are_enough(db: Db, app_user: str) -> None:
+    """Every call an app makes, as a user with only those grants; create_schema() changes nothing."""
+    with Locker(app_user, table=db.table) as locker:
+        assert locker.create_schema().changed is False
+        lease = locker.acquire("job", ttl=30)
+        lease.extend()
+        with locker.read_lock("catalog", ttl=30):
+            assert locker.try_acquire("catalog") is None
+        assert [i.name for i in locker.leases()] == ["job"]
+        assert lease.release() is True
+        assert locker.prune(older_than=3600) == 0
+    with Locker(app_user, table=db.table + "_nope") as locker, pytest.raises(dblock.PermissionDenied):
+        locker.try_acquire("job")
