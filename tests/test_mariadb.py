@@ -116,3 +116,29 @@ def test_the_documented_grants_are_enough(db: Db, app_user: str) -> None:
         assert locker.prune(older_than=3600) == 0
     with Locker(app_user, table=db.table + "_nope") as locker, pytest.raises(dblock.PermissionDenied):
         locker.try_acquire("job")
+
+
+def test_an_apps_alembic_runs_dblocks_migrations_on_mariadb(db: Db, tmp_path: Path) -> None:
+    """docs/alembic.md's env.py lines in an app made by `alembic init`, on a fresh MariaDB database:
+    one `alembic upgrade head` makes the app's tables and dblock's; each side's downgrade removes
+    only its own."""
+    from .docs import create_mariadb_database, drop_mariadb_database
+    from .test_alembic_app import App
+
+    url = create_mariadb_database(db.url)
+    try:
+        app = App(tmp_path / "app", Path(sys.executable).parent, url, "app_locks", None)
+        app.alembic("revision", "--autogenerate", "-m", "items")
+        app.alembic("upgrade", "head")
+        dblock_tables = {"app_locks", "app_locks_fences", "app_locks_holders", "alembic_version_dblock_app_locks"}
+        assert dblock_tables | {"items", "alembic_version"} <= app.tables()
+        assert "No new upgrade operations detected" in app.alembic("check").stdout  # autogenerate leaves dblock's alone
+        with Locker(url, table="app_locks") as locker:
+            lease = locker.try_acquire("app-job")
+            assert lease is not None and lease.release()
+        app.alembic("downgrade", "base")
+        assert "items" not in app.tables() and dblock_tables <= app.tables()
+        app.dblock("migrate", "--downgrade", "base")
+        assert not dblock_tables & app.tables()
+    finally:
+        drop_mariadb_database(url)
