@@ -83,7 +83,7 @@ def test_database_url_comes_from_settings(django_env: DjangoEnv) -> None:  # noq
 @pytest.mark.parametrize(
     ("alias_", "error", "words"),
     [
-        ("mysql", ValueError, ["PostgreSQL and SQLite", "django.db.backends.mysql", "mysql database"]),
+        ("oracle", ValueError, ["PostgreSQL, MariaDB and SQLite", "django.db.backends.oracle", "oracle database"]),
         ("memory", ValueError, ["in-memory", "['TEST']['NAME']"]),
         ("nowhere", ValueError, ["no database 'nowhere'", "'default'", "'sqlite'"]),
         (7, TypeError, ["alias must be a str"]),
@@ -100,9 +100,24 @@ def test_unsupported_databases_are_refused_before_any_connection(
         with pytest.raises(error) as refused:
             call(alias_)
         assert all(w in str(refused.value) for w in words), str(refused.value)
-    if alias_ == "mysql":
-        # Refused by its ENGINE: Django did not even load the backend (which needs a MySQL driver).
-        assert "mysql" not in {c.alias for c in connections.all(initialized_only=True)}
+    if alias_ == "oracle":
+        # Refused by its ENGINE: Django did not even load the backend (which needs Oracle's driver).
+        assert "oracle" not in {c.alias for c in connections.all(initialized_only=True)}
+
+
+def test_a_mariadb_alias_becomes_dblocks_mariadb_url(django_env: DjangoEnv) -> None:  # noqa: F811
+    """Django's mysql ENGINE: NAME, USER, PASSWORD, HOST, PORT and the OPTIONS that name the
+    connection, as dblock's own PyMySQL URL; nothing connects (Django's backend is not loaded)."""
+    from django.db import connections
+
+    from dblock.contrib.django import database_url
+
+    url = database_url("mysql")
+    assert (url.drivername, url.username, url.password, url.host, url.port, url.database) == (
+        "mariadb+pymysql", "app", "p@ss", "db", 3307, "app",
+    )
+    assert dict(url.query) == {"charset": "utf8mb4"}  # init_command is for Django's own connections
+    assert "mysql" not in {c.alias for c in connections.all(initialized_only=True)}
 
 
 def test_postgresql_settings_become_the_url_libpq_would_use(django_env: DjangoEnv) -> None:  # noqa: F811
@@ -553,7 +568,7 @@ def test_manage_dblock_release(django_env: DjangoEnv, alias: str, held: dblock.L
         (["status", "--url=sqlite:///x.db"], "not --url"),
         (["--table", "migrate", "migrate", "--sql"], "manage.py migrate dblock"),
         (["status", "--database", "nowhere"], "no database 'nowhere'"),
-        (["status", "--database", "mysql"], "PostgreSQL and SQLite"),
+        (["status", "--database", "oracle"], "PostgreSQL, MariaDB and SQLite"),
         (["status", "--database"], "--database needs an alias"),
     ],
 )

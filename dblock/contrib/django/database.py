@@ -3,8 +3,8 @@
 dblock opens connections of its own (never Django's), so it needs the alias's
 settings as a SQLAlchemy URL: PostgreSQL becomes ``postgresql+psycopg://``
 with NAME, USER, PASSWORD, HOST, PORT and the OPTIONS libpq understands;
-SQLite becomes ``sqlite:///NAME``. Anything else is refused with ValueError
-before any connection is made.
+MariaDB (the ``mysql`` ENGINE) ``mariadb+pymysql://``; SQLite ``sqlite:///NAME``.
+Anything else is refused with ValueError before any connection is made.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from dblock import Locker
 
 # ENGINEs known without loading their backend (a MySQL one needs its driver to
-# load, and dblock refuses it either way). Other ENGINEs are asked their vendor.
+# load). Other ENGINEs are asked their vendor.
 _ENGINES = {
     "django.db.backends.postgresql": "postgresql",
     "django.contrib.gis.db.backends.postgis": "postgresql",
@@ -58,10 +58,10 @@ def vendor(alias: str = DEFAULT_DB_ALIAS) -> str:
             kind = connections[alias].vendor  # a third-party backend (e.g. a wrapper around PostgreSQL's)
         except Exception:  # noqa: BLE001 - a backend that cannot even load is not one dblock supports
             kind = None
-    if kind not in ("postgresql", "sqlite"):
+    if kind not in ("postgresql", "sqlite", "mysql"):
         what = f" (a {kind} database)" if kind and kind != "dummy" else ""
         raise ValueError(
-            f"dblock supports PostgreSQL and SQLite databases; DATABASES[{alias!r}] has ENGINE {engine!r}{what}"
+            f"dblock supports PostgreSQL, MariaDB and SQLite databases; DATABASES[{alias!r}] has ENGINE {engine!r}{what}"
         )
     return kind
 
@@ -75,6 +75,8 @@ def database_url(alias: str = DEFAULT_DB_ALIAS) -> URL:
     """
     kind = vendor(alias)
     settings = _settings(alias)
+    if kind == "mysql":
+        return _mariadb_url(settings, alias)
     return _postgresql_url(settings, alias) if kind == "postgresql" else _sqlite_url(settings, alias)
 
 
@@ -136,6 +138,26 @@ def _postgresql_url(settings: dict[str, Any], alias: str) -> URL:
             database=database, query=query,
         )
     return URL.create("postgresql+psycopg", username=user, password=password, database=database, query=query)
+
+
+# OPTIONS of Django's MySQL backend that dblock's own connections pass on (the rest, such as
+# init_command, isolation_level or autocommit, are for Django's connections).
+_MARIADB_OPTIONS = {"charset", "unix_socket", "ssl", "ssl_ca", "ssl_cert", "ssl_key", "read_default_file", "read_default_group"}
+
+
+def _mariadb_url(settings: dict[str, Any], alias: str) -> URL:
+    """A MariaDB alias (Django's ``mysql`` ENGINE) as dblock's ``mariadb+pymysql://`` URL: NAME, USER,
+    PASSWORD, HOST (or a socket path), PORT, and the OPTIONS that name the connection (charset, ssl...)."""
+    options = dict(settings.get("OPTIONS") or {})
+    query = {key: str(value) for key, value in options.items() if key in _MARIADB_OPTIONS and not isinstance(value, dict)}
+    host = str(settings.get("HOST") or "")
+    if host.startswith("/"):
+        query["unix_socket"], host = host, "localhost"
+    port = settings.get("PORT")
+    return URL.create(
+        "mariadb+pymysql", username=settings.get("USER") or None, password=settings.get("PASSWORD") or None,
+        host=host or None, port=int(port) if port else None, database=settings.get("NAME") or None, query=query,
+    )
 
 
 # -- one Locker per database (and options) per process ------------------------------

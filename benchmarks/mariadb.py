@@ -1,0 +1,372 @@
+"""dblock on MariaDB: the uncontended pair, the redo a miss writes, and contention, in one run.
+
+    python benchmarks/mariadb.py [--url mariadb+pymysql://root@127.0.0.1:3306/test]
+        [--pairs 300] [--rounds 7] [--misses 100] [--threads 8] [--processes 3]
+        [--process-threads 4] [--seconds 5] [--hold 0.001] [--timeout 2]
+
+With no --url (and no DBLOCK_TEST_MARIADB_URL) it starts a throwaway MariaDB with
+``dblock._mariadb_server`` (the machine's own mariadbd, data in /dev/shm). Every
+part uses one table made with ``Locker(url, table=...).create_schema()``, dropped
+at the end.
+
+1. Uncontended: one acquire + release pair on one thread, median microseconds
+   per pair over ``--rounds`` interleaved rounds of ``--pairs`` pairs, and the
+   ratio to the hand-written pair (dblock's own two statement texts, from
+   ``locker.backend.sql``, with dblock's binds, sent with raw PyMySQL on one
+   autocommit connection with dblock's session settings) and to the
+   ``GET_LOCK(name, 0)`` + ``RELEASE_LOCK(name)`` pair, the advisory lock
+   MariaDB's own peers use (no TTL, no token, lost with its session).
+2. Redo per miss: the change of ``Innodb_lsn_current`` over ``--misses``
+   try_acquires of a name another lease holds, against as many granted and
+   released pairs. The server's other work (purge, other clients) moves the
+   LSN too: a window counts only when the LSN stood still for as long as the
+   window lasted both just before and just after it, and it is retried until
+   one does (the smallest delta seen is reported if none does).
+3. Contended: ``--threads`` threads of one process, then ``--processes``
+   processes x ``--process-threads`` threads, each looping ``acquire(name,
+   ttl=10, timeout=--timeout)``, hold ``--hold`` s, release, on one name for
+   ``--seconds`` s. Per run: grants/s; statements per grant (every text sent
+   through the backend's ``execute``, counted by wrapping it on each Locker's
+   backend object: acquire attempts, releases and anything else; a text is
+   one round trip, however many SQL statements it holds; warm-up not
+   counted); hand-over p50/p99 from a holder calling release to a different
+   thread's acquire returning (CLOCK_MONOTONIC, which the processes of one
+   machine share), which includes the release's own round trip and commit;
+   regrant, the share of grants that went straight back to the thread that
+   had just released; and, with processes, the share of hand-overs that
+   crossed to another process. MariaDB has no NOTIFY: a waiter in another
+   process finds the name free only when it polls; threads of one process
+   take turns, the head of the line polling and woken by a local release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+NAME = "hot"
+
+
+# -- counting the texts a Locker sends ------------------------------------------------
+class Counts:
+    """Texts sent through one backend's ``execute``, by kind (acquire, release, other)."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[str, int] = {"acquire": 0, "release": 0, "other": 0}
+        self._lock = threading.Lock()
+
+    def wrap(self, backend: Any) -> None:
+        execute, sql = backend.execute, backend.sql
+        kinds = {sql.acquire: "acquire", sql.release: "release"}
+
+        def counted(cursor: Any, text: str, params: dict[str, Any]) -> Any:
+            kind = kinds.get(text, "other")
+            with self._lock:
+                self.by_kind[kind] += 1
+            return execute(cursor, text, params)
+
+        backend.execute = counted
+
+    def reset(self) -> None:
+        with self._lock:
+            self.by_kind = dict.fromkeys(self.by_kind, 0)
+
+
+# -- 3. one contended worker process ---------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    from dblock import Locker, LockNotAcquired
+
+    locker = Locker(args.url, table=args.table, ttl=10)
+    counts = Counts()
+    counts.wrap(locker.backend)
+    events: list[tuple[float, float, int]] = []  # (acquire returned, release called, thread id)
+    timeouts = [0]
+    guard = threading.Lock()
+    warm = threading.Barrier(args.threads + 1)  # the threads and this main thread
+
+    def run(tid: int) -> None:
+        locker.acquire(NAME, ttl=10, timeout=30).release()  # warm-up: connections (not counted)
+        warm.wait()  # every thread warm
+        warm.wait()  # the start and end times are known
+        while time.monotonic() < args.start_at:
+            time.sleep(0.0005)
+        while time.monotonic() < args.end_at:
+            try:
+                lease = locker.acquire(NAME, ttl=10, timeout=args.timeout)
+            except LockNotAcquired:
+                with guard:
+                    timeouts[0] += 1
+                continue
+            got = time.monotonic()
+            if args.hold:
+                time.sleep(args.hold)
+            let_go = time.monotonic()
+            lease.release()
+            with guard:
+                events.append((got, let_go, tid))
+
+    threads = [threading.Thread(target=run, args=(args.proc * 1000 + i,)) for i in range(args.threads)]
+    for t in threads:
+        t.start()
+    warm.wait()
+    counts.reset()
+    print("ready", flush=True)  # the driver starts every process together
+    args.start_at, args.end_at = (float(x) for x in sys.stdin.readline().split())
+    warm.wait()
+    for t in threads:
+        t.join()
+    locker.close()
+    json.dump({"events": events, "timeouts": timeouts[0], "counts": counts.by_kind}, sys.stdout)
+
+
+def contend(args: argparse.Namespace, table: str, processes: int, threads: int) -> dict[str, Any]:
+    cmd = [
+        sys.executable, __file__, "--worker", "--url", args.url, "--table", table, "--threads", str(threads),
+        "--hold", str(args.hold), "--timeout", str(args.timeout),
+    ]
+    procs = [
+        subprocess.Popen([*cmd, "--proc", str(p)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for p in range(processes)
+    ]
+    for p in procs:
+        assert p.stdout is not None
+        if p.stdout.readline() != "ready\n":
+            raise SystemExit("a contended worker failed while warming up")
+    start_at = time.monotonic() + 0.05
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(f"{start_at!r} {start_at + args.seconds!r}\n")
+        p.stdin.flush()
+    outs = [json.loads(p.communicate()[0]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a contended worker failed")
+    events = sorted(e for o in outs for e in o["events"])
+    pairs = list(zip(events, events[1:]))
+    handover = [(nxt[0] - prev[1]) * 1000 for prev, nxt in pairs if nxt[2] != prev[2]]
+    crossed = sum(1 for prev, nxt in pairs if nxt[2] // 1000 != prev[2] // 1000)
+    counts = {k: sum(o["counts"][k] for o in outs) for k in outs[0]["counts"]}
+    grants = len(events)
+    return {
+        "grants": grants,
+        "rate": grants / args.seconds,
+        "timeouts": sum(o["timeouts"] for o in outs),
+        "per_grant": sum(counts.values()) / grants if grants else float("nan"),
+        "acquires": counts["acquire"] / grants if grants else float("nan"),
+        "p50": statistics.median(handover) if handover else float("nan"),
+        "p99": statistics.quantiles(handover, n=100)[98] if len(handover) > 1 else float("nan"),
+        "regrant": (len(pairs) - len(handover)) / len(pairs) if pairs else float("nan"),
+        "crossed": crossed / len(handover) if handover else float("nan"),
+    }
+
+
+# -- 2. redo per miss -------------------------------------------------------------------
+def lsn(conn: Any) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_lsn_current'")
+        return int(cur.fetchone()[1])
+
+
+def quiet_delta(conn: Any, fn: Callable[[], None], tries: int = 30) -> tuple[int, int, bool]:
+    """LSN change over ``fn()`` in a window the LSN stood still around; (delta, windows tried, quiet).
+
+    A window counts when the LSN did not move for as long as ``fn()`` took, both just
+    before it and just after it; otherwise it is tried again, and if none ever does,
+    the smallest delta seen is returned."""
+    seen: list[int] = []
+    span = 0.2  # how long fn() takes, once known
+    for attempt in range(1, tries + 1):
+        before = lsn(conn)
+        time.sleep(span)
+        a = lsn(conn)
+        started = time.perf_counter()
+        fn()
+        span = time.perf_counter() - started
+        b = lsn(conn)
+        time.sleep(span)
+        after = lsn(conn)
+        if before == a and b == after:
+            return b - a, attempt, True
+        seen.append(b - a)
+        time.sleep(0.2)
+    return min(seen), tries, False
+
+
+# -- the driver -------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_MARIADB_URL"))
+    ap.add_argument("--pairs", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--misses", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=8, help="threads of the one-process contended run")
+    ap.add_argument("--processes", type=int, default=3)
+    ap.add_argument("--process-threads", type=int, default=4, help="threads per process of the second run")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each contended run")
+    ap.add_argument("--hold", type=float, default=0.001, help="seconds each grant is held")
+    ap.add_argument("--timeout", type=float, default=2.0, help="each contended acquire's timeout")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--table", help=argparse.SUPPRESS)
+    ap.add_argument("--proc", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    import pymysql
+
+    from _timing import interleaved  # benchmarks/_timing.py
+
+    from dblock import Locker, migrate
+    from dblock.backends.mariadb import _SESSION, connect_params, pymysql_url
+    from sqlalchemy.engine import make_url
+
+    server = None
+    if not args.url:
+        from dblock._mariadb_server import MariaDBServer
+
+        server = MariaDBServer.start()
+        args.url = server.url
+    try:
+        url = pymysql_url(make_url(args.url))
+        args.url = url.render_as_string(hide_password=False)
+        params = connect_params(url)
+        table = "bench_" + secrets.token_hex(4)
+        locker = Locker(url, table=table)
+        locker.create_schema()
+        try:
+            run(args, locker, table, params, pymysql, interleaved, _SESSION, Locker)
+        finally:
+            locker.close()
+            migrate.downgrade(locker.engine, table, None)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def run(
+    args: argparse.Namespace, locker: Any, table: str, params: dict[str, Any], pymysql: Any,
+    interleaved: Any, session: str, Locker: Any,
+) -> None:
+    sql = locker.backend.sql  # the very texts dblock sends, for the hand-written baseline
+    label = locker._label()
+    raw = pymysql.connect(**params)  # SELECT 1, GET_LOCK and SHOW GLOBAL STATUS
+    # The hand-written pair has a connection of its own, as dblock has, with dblock's session.
+    own = pymysql.connect(**params)
+    with own.cursor() as cur:
+        cur.execute(session)
+        while cur.nextset():
+            pass
+    with raw.cursor() as cur:
+        cur.execute("SELECT VERSION()")
+        version = cur.fetchone()[0]
+    rc, oc = raw.cursor(), own.cursor()
+
+    def text(cur: Any, statement: str, binds: dict[str, Any]) -> Any:
+        """A multi-statement text: the rows of its last statement that returns rows."""
+        cur.execute(statement, binds)
+        rows = None
+        while True:
+            if cur.description is not None:
+                rows = cur.fetchall()
+            if not cur.nextset():
+                return rows
+
+    def select1() -> None:
+        rc.execute("SELECT 1")
+        rc.fetchall()
+        rc.execute("SELECT 1")
+        rc.fetchall()
+
+    def get_lock() -> None:
+        rc.execute("SELECT GET_LOCK(%s, 0)", ("getlock",))
+        rc.fetchall()
+        rc.execute("SELECT RELEASE_LOCK(%s)", ("getlock",))
+        rc.fetchall()
+
+    def hand_written() -> None:
+        owner = secrets.token_hex(16)
+        (_, token, _, _), = text(oc, sql.acquire, {"name": "hand", "owner": owner, "ttl": 30.0, "label": label})
+        text(oc, sql.release, {"name": "hand", "owner": owner, "token": token})
+
+    def dblock_pair() -> None:
+        locker.try_acquire("dblock", ttl=30).release()
+
+    variants = {
+        "2 x SELECT 1": select1,
+        "GET_LOCK(name, 0) + RELEASE_LOCK (no TTL, no token)": get_lock,
+        "hand-written pair, raw PyMySQL": hand_written,
+        "dblock try_acquire + release": dblock_pair,
+    }
+    started = time.monotonic()
+    medians = interleaved(variants, args.rounds, args.pairs)
+    base, advisory = medians["hand-written pair, raw PyMySQL"], medians["GET_LOCK(name, 0) + RELEASE_LOCK (no TTL, no token)"]
+    print(f"MariaDB {version}, {os.cpu_count()} CPUs")
+    print(f"\n1. uncontended, {args.rounds} rounds x {args.pairs} pairs ({time.monotonic() - started:.0f} s)")
+    print(f"{'variant':52} {'us/pair':>9} {'vs hand-written':>16} {'vs GET_LOCK':>12}")
+    for name, med in medians.items():
+        print(f"{name:52} {med:9.1f} {med / base:15.2f}x {med / advisory:11.2f}x")
+
+    # 2. redo per miss
+    holder = Locker(args.url, table=table)
+    held = holder.try_acquire("held", ttl=300)
+    assert held is not None
+    counts = Counts()
+    counts.wrap(locker.backend)
+
+    def misses() -> None:
+        for _ in range(args.misses):
+            assert locker.try_acquire("held", ttl=30) is None
+
+    def grants() -> None:
+        for _ in range(args.misses):
+            locker.try_acquire("granted", ttl=30).release()
+
+    misses()  # warm: the row and the connections exist
+    grants()
+    counts.reset()
+    miss_delta, miss_tries, miss_quiet = quiet_delta(raw, misses)
+    sent = sum(counts.by_kind.values())
+    pair_delta, pair_tries, pair_quiet = quiet_delta(raw, grants)
+    held.release()
+    holder.close()
+    print(f"\n2. redo (Innodb_lsn_current), {args.misses} calls per window")
+    print(f"{'calls':34} {'LSN delta':>10} {'bytes/call':>11} {'windows tried':>14}")
+    note = {True: "", False: " (no quiet window: smallest seen)"}
+    print(f"{'try_acquire of a held name (miss)':34} {miss_delta:10d} {miss_delta / args.misses:11.1f} "
+          f"{miss_tries:14d}{note[miss_quiet]}")
+    print(f"{'try_acquire + release (granted)':34} {pair_delta:10d} {pair_delta / args.misses:11.1f} "
+          f"{pair_tries:14d}{note[pair_quiet]}")
+    print(f"(texts dblock sent per miss: {sent / (args.misses * miss_tries):.2f})")
+
+    # 3. contended
+    print(f"\n3. contended: one name, {args.seconds:g} s per run, hold {args.hold * 1000:g} ms, "
+          f"acquire timeout {args.timeout:g} s, ttl 10 s")
+    head = (f"{'run':24} {'grants':>6} {'grants/s':>8} {'timeouts':>8} {'per grant':>9} {'acq/grant':>9} "
+            f"{'p50 ms':>7} {'p99 ms':>7} {'regrant':>7} {'crossed':>7}")
+    print(head)
+    for label_, procs, threads in (
+        (f"1 process x {args.threads} threads", 1, args.threads),
+        (f"{args.processes} processes x {args.process_threads} threads", args.processes, args.process_threads),
+    ):
+        r = contend(args, table, procs, threads)
+        crossed = f"{r['crossed'] * 100:6.0f}%" if procs > 1 else f"{'-':>7}"
+        print(f"{label_:24} {r['grants']:6d} {r['rate']:8.0f} {r['timeouts']:8d} {r['per_grant']:9.2f} "
+              f"{r['acquires']:9.2f} {r['p50']:7.2f} {r['p99']:7.2f} {r['regrant'] * 100:6.0f}% {crossed}")
+    rc.close()
+    oc.close()
+    raw.close()
+    own.close()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
