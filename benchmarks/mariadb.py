@@ -81,7 +81,130 @@ class Counts:
             self.by_kind = dict.fromkeys(self.by_kind, 0)
 
 
-# -- 3. one contended worker process ---------------------------------------------------
+# -- 1. uncontended ----------------------------------------------------------------------
+def multi(cur: Any, statement: str, binds: dict[str, Any] | None) -> Any:
+    """Send a multi-statement text: the rows of its last statement that returns rows."""
+    cur.execute(statement, binds)
+    rows = None
+    while True:
+        if cur.description is not None:
+            rows = cur.fetchall()
+        if not cur.nextset():
+            return rows
+
+
+def uncontended(args: argparse.Namespace, locker: Any, raw: Any, own: Any) -> None:
+    from _timing import interleaved  # benchmarks/_timing.py
+
+    sql = locker.backend.sql  # the very texts dblock sends, for the hand-written baseline
+    label = locker._label()
+    rc, oc = raw.cursor(), own.cursor()
+
+    def select1() -> None:
+        rc.execute("SELECT 1")
+        rc.fetchall()
+        rc.execute("SELECT 1")
+        rc.fetchall()
+
+    def get_lock() -> None:
+        rc.execute("SELECT GET_LOCK(%s, 0)", ("getlock",))
+        rc.fetchall()
+        rc.execute("SELECT RELEASE_LOCK(%s)", ("getlock",))
+        rc.fetchall()
+
+    def hand_written() -> None:  # dblock's binds (_verbs.py): name, owner, ttl, label; name, owner, token
+        owner = secrets.token_hex(16)
+        ((_, token, _, _),) = multi(oc, sql.acquire, {"name": "hand", "owner": owner, "ttl": 30.0, "label": label})
+        multi(oc, sql.release, {"name": "hand", "owner": owner, "token": token})
+
+    def dblock_pair() -> None:
+        locker.try_acquire("dblock", ttl=30).release()
+
+    advisory, hand = "GET_LOCK(name, 0) + RELEASE_LOCK (no TTL, no token)", "hand-written pair, raw PyMySQL"
+    variants = {
+        "2 x SELECT 1": select1,
+        advisory: get_lock,
+        hand: hand_written,
+        "dblock try_acquire + release": dblock_pair,
+    }
+    medians = interleaved(variants, args.rounds, args.pairs)
+    print(f"\n1. uncontended, {args.rounds} rounds x {args.pairs} pairs")
+    print(f"{'variant':52} {'us/pair':>9} {'vs hand-written':>16} {'vs GET_LOCK':>12}")
+    for name, med in medians.items():
+        print(f"{name:52} {med:9.1f} {med / medians[hand]:15.2f}x {med / medians[advisory]:11.2f}x")
+    rc.close()
+    oc.close()
+
+
+# -- 2. redo per miss -------------------------------------------------------------------
+def lsn(conn: Any) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_lsn_current'")
+        return int(cur.fetchone()[1])
+
+
+def quiet_delta(conn: Any, fn: Callable[[], None], tries: int = 30) -> tuple[int, int, bool]:
+    """LSN change over ``fn()`` in a window the LSN stood still around; (delta, windows tried, quiet).
+
+    A window counts when the LSN did not move for as long as ``fn()`` took, both just
+    before it and just after it; otherwise it is tried again, and if none ever does,
+    the smallest delta seen is returned."""
+    seen: list[int] = []
+    span = 0.2  # how long fn() takes, once known
+    for attempt in range(1, tries + 1):
+        before = lsn(conn)
+        time.sleep(span)
+        a = lsn(conn)
+        started = time.perf_counter()
+        fn()
+        span = time.perf_counter() - started
+        b = lsn(conn)
+        time.sleep(span)
+        after = lsn(conn)
+        if before == a and b == after:
+            return b - a, attempt, True
+        seen.append(b - a)
+        time.sleep(0.2)
+    return min(seen), tries, False
+
+
+def redo(args: argparse.Namespace, locker: Any, raw: Any, table: str) -> None:
+    from dblock import Locker
+
+    holder = Locker(args.url, table=table)  # another Locker holds the name the misses ask for
+    held = holder.try_acquire("held", ttl=300)
+    assert held is not None
+    counts = Counts()
+    counts.wrap(locker.backend)
+
+    def misses() -> None:
+        for _ in range(args.misses):
+            assert locker.try_acquire("held", ttl=30) is None
+
+    def grants() -> None:
+        for _ in range(args.misses):
+            locker.try_acquire("granted", ttl=30).release()
+
+    misses()  # warm: the rows exist
+    grants()
+    counts.reset()
+    miss = quiet_delta(raw, misses)
+    sent = sum(counts.by_kind.values())
+    pair = quiet_delta(raw, grants)
+    held.release()
+    holder.close()
+    print(f"\n2. redo (Innodb_lsn_current), {args.misses} calls per window")
+    print(f"{'calls':34} {'LSN delta':>10} {'bytes/call':>11} {'windows tried':>14}")
+    for name, (delta, tries, quiet) in (
+        ("try_acquire of a held name (miss)", miss),
+        ("try_acquire + release (granted)", pair),
+    ):
+        note = "" if quiet else " (no quiet window: the smallest delta seen)"
+        print(f"{name:34} {delta:10d} {delta / args.misses:11.1f} {tries:14d}{note}")
+    print(f"(texts dblock sent per miss: {sent / (args.misses * miss[1]):.2f})")
+
+
+# -- 3. contended: one worker process ---------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
     from dblock import Locker, LockNotAcquired
 
@@ -165,39 +288,28 @@ def contend(args: argparse.Namespace, table: str, processes: int, threads: int) 
         "p99": statistics.quantiles(handover, n=100)[98] if len(handover) > 1 else float("nan"),
         "regrant": (len(pairs) - len(handover)) / len(pairs) if pairs else float("nan"),
         "crossed": crossed / len(handover) if handover else float("nan"),
+        "by_process": [len(o["events"]) for o in outs],
     }
 
 
-# -- 2. redo per miss -------------------------------------------------------------------
-def lsn(conn: Any) -> int:
-    with conn.cursor() as cur:
-        cur.execute("SHOW GLOBAL STATUS LIKE 'Innodb_lsn_current'")
-        return int(cur.fetchone()[1])
-
-
-def quiet_delta(conn: Any, fn: Callable[[], None], tries: int = 30) -> tuple[int, int, bool]:
-    """LSN change over ``fn()`` in a window the LSN stood still around; (delta, windows tried, quiet).
-
-    A window counts when the LSN did not move for as long as ``fn()`` took, both just
-    before it and just after it; otherwise it is tried again, and if none ever does,
-    the smallest delta seen is returned."""
-    seen: list[int] = []
-    span = 0.2  # how long fn() takes, once known
-    for attempt in range(1, tries + 1):
-        before = lsn(conn)
-        time.sleep(span)
-        a = lsn(conn)
-        started = time.perf_counter()
-        fn()
-        span = time.perf_counter() - started
-        b = lsn(conn)
-        time.sleep(span)
-        after = lsn(conn)
-        if before == a and b == after:
-            return b - a, attempt, True
-        seen.append(b - a)
-        time.sleep(0.2)
-    return min(seen), tries, False
+def contended(args: argparse.Namespace, table: str) -> None:
+    print(f"\n3. contended: one name, {args.seconds:g} s per run, hold {args.hold * 1000:g} ms, "
+          f"acquire timeout {args.timeout:g} s, ttl 10 s")
+    print(f"{'run':24} {'grants':>6} {'grants/s':>8} {'timeouts':>8} {'per grant':>9} {'acq/grant':>9} "
+          f"{'p50 ms':>7} {'p99 ms':>7} {'regrant':>7} {'crossed':>7}")
+    split: list[str] = []
+    for name, procs, threads in (
+        (f"1 process x {args.threads} threads", 1, args.threads),
+        (f"{args.processes} processes x {args.process_threads} threads", args.processes, args.process_threads),
+    ):
+        r = contend(args, table, procs, threads)
+        crossed = f"{r['crossed'] * 100:6.0f}%" if procs > 1 else f"{'-':>7}"
+        print(f"{name:24} {r['grants']:6d} {r['rate']:8.0f} {r['timeouts']:8d} {r['per_grant']:9.2f} "
+              f"{r['acquires']:9.2f} {r['p50']:7.2f} {r['p99']:7.2f} {r['regrant'] * 100:6.0f}% {crossed}")
+        if procs > 1:
+            split.append(f"grants by process ({name}): {' / '.join(str(n) for n in r['by_process'])}")
+    for line in split:
+        print(line)
 
 
 # -- the driver -------------------------------------------------------------------------
@@ -222,12 +334,10 @@ def main() -> None:
         return
 
     import pymysql
-
-    from _timing import interleaved  # benchmarks/_timing.py
+    from sqlalchemy.engine import make_url
 
     from dblock import Locker, migrate
     from dblock.backends.mariadb import _SESSION, connect_params, pymysql_url
-    from sqlalchemy.engine import make_url
 
     server = None
     if not args.url:
@@ -238,133 +348,29 @@ def main() -> None:
     try:
         url = pymysql_url(make_url(args.url))
         args.url = url.render_as_string(hide_password=False)
-        params = connect_params(url)
         table = "bench_" + secrets.token_hex(4)
         locker = Locker(url, table=table)
         locker.create_schema()
+        raw = pymysql.connect(**connect_params(url))  # SELECT 1, GET_LOCK, SHOW GLOBAL STATUS
+        # The hand-written pair has a connection of its own, as dblock has, with dblock's session.
+        own = pymysql.connect(**connect_params(url))
+        multi(own.cursor(), _SESSION, None)
         try:
-            run(args, locker, table, params, pymysql, interleaved, _SESSION, Locker)
+            with raw.cursor() as cur:
+                cur.execute("SELECT VERSION()")
+                version = cur.fetchone()[0]
+            print(f"MariaDB {version}{' (throwaway server)' if server else ''}, {os.cpu_count()} CPUs")
+            uncontended(args, locker, raw, own)
+            redo(args, locker, raw, table)
+            contended(args, table)
         finally:
+            raw.close()
+            own.close()
             locker.close()
             migrate.downgrade(locker.engine, table, None)
     finally:
         if server is not None:
             server.stop()
-
-
-def run(
-    args: argparse.Namespace, locker: Any, table: str, params: dict[str, Any], pymysql: Any,
-    interleaved: Any, session: str, Locker: Any,
-) -> None:
-    sql = locker.backend.sql  # the very texts dblock sends, for the hand-written baseline
-    label = locker._label()
-    raw = pymysql.connect(**params)  # SELECT 1, GET_LOCK and SHOW GLOBAL STATUS
-    # The hand-written pair has a connection of its own, as dblock has, with dblock's session.
-    own = pymysql.connect(**params)
-    with own.cursor() as cur:
-        cur.execute(session)
-        while cur.nextset():
-            pass
-    with raw.cursor() as cur:
-        cur.execute("SELECT VERSION()")
-        version = cur.fetchone()[0]
-    rc, oc = raw.cursor(), own.cursor()
-
-    def text(cur: Any, statement: str, binds: dict[str, Any]) -> Any:
-        """A multi-statement text: the rows of its last statement that returns rows."""
-        cur.execute(statement, binds)
-        rows = None
-        while True:
-            if cur.description is not None:
-                rows = cur.fetchall()
-            if not cur.nextset():
-                return rows
-
-    def select1() -> None:
-        rc.execute("SELECT 1")
-        rc.fetchall()
-        rc.execute("SELECT 1")
-        rc.fetchall()
-
-    def get_lock() -> None:
-        rc.execute("SELECT GET_LOCK(%s, 0)", ("getlock",))
-        rc.fetchall()
-        rc.execute("SELECT RELEASE_LOCK(%s)", ("getlock",))
-        rc.fetchall()
-
-    def hand_written() -> None:
-        owner = secrets.token_hex(16)
-        (_, token, _, _), = text(oc, sql.acquire, {"name": "hand", "owner": owner, "ttl": 30.0, "label": label})
-        text(oc, sql.release, {"name": "hand", "owner": owner, "token": token})
-
-    def dblock_pair() -> None:
-        locker.try_acquire("dblock", ttl=30).release()
-
-    variants = {
-        "2 x SELECT 1": select1,
-        "GET_LOCK(name, 0) + RELEASE_LOCK (no TTL, no token)": get_lock,
-        "hand-written pair, raw PyMySQL": hand_written,
-        "dblock try_acquire + release": dblock_pair,
-    }
-    started = time.monotonic()
-    medians = interleaved(variants, args.rounds, args.pairs)
-    base, advisory = medians["hand-written pair, raw PyMySQL"], medians["GET_LOCK(name, 0) + RELEASE_LOCK (no TTL, no token)"]
-    print(f"MariaDB {version}, {os.cpu_count()} CPUs")
-    print(f"\n1. uncontended, {args.rounds} rounds x {args.pairs} pairs ({time.monotonic() - started:.0f} s)")
-    print(f"{'variant':52} {'us/pair':>9} {'vs hand-written':>16} {'vs GET_LOCK':>12}")
-    for name, med in medians.items():
-        print(f"{name:52} {med:9.1f} {med / base:15.2f}x {med / advisory:11.2f}x")
-
-    # 2. redo per miss
-    holder = Locker(args.url, table=table)
-    held = holder.try_acquire("held", ttl=300)
-    assert held is not None
-    counts = Counts()
-    counts.wrap(locker.backend)
-
-    def misses() -> None:
-        for _ in range(args.misses):
-            assert locker.try_acquire("held", ttl=30) is None
-
-    def grants() -> None:
-        for _ in range(args.misses):
-            locker.try_acquire("granted", ttl=30).release()
-
-    misses()  # warm: the row and the connections exist
-    grants()
-    counts.reset()
-    miss_delta, miss_tries, miss_quiet = quiet_delta(raw, misses)
-    sent = sum(counts.by_kind.values())
-    pair_delta, pair_tries, pair_quiet = quiet_delta(raw, grants)
-    held.release()
-    holder.close()
-    print(f"\n2. redo (Innodb_lsn_current), {args.misses} calls per window")
-    print(f"{'calls':34} {'LSN delta':>10} {'bytes/call':>11} {'windows tried':>14}")
-    note = {True: "", False: " (no quiet window: smallest seen)"}
-    print(f"{'try_acquire of a held name (miss)':34} {miss_delta:10d} {miss_delta / args.misses:11.1f} "
-          f"{miss_tries:14d}{note[miss_quiet]}")
-    print(f"{'try_acquire + release (granted)':34} {pair_delta:10d} {pair_delta / args.misses:11.1f} "
-          f"{pair_tries:14d}{note[pair_quiet]}")
-    print(f"(texts dblock sent per miss: {sent / (args.misses * miss_tries):.2f})")
-
-    # 3. contended
-    print(f"\n3. contended: one name, {args.seconds:g} s per run, hold {args.hold * 1000:g} ms, "
-          f"acquire timeout {args.timeout:g} s, ttl 10 s")
-    head = (f"{'run':24} {'grants':>6} {'grants/s':>8} {'timeouts':>8} {'per grant':>9} {'acq/grant':>9} "
-            f"{'p50 ms':>7} {'p99 ms':>7} {'regrant':>7} {'crossed':>7}")
-    print(head)
-    for label_, procs, threads in (
-        (f"1 process x {args.threads} threads", 1, args.threads),
-        (f"{args.processes} processes x {args.process_threads} threads", args.processes, args.process_threads),
-    ):
-        r = contend(args, table, procs, threads)
-        crossed = f"{r['crossed'] * 100:6.0f}%" if procs > 1 else f"{'-':>7}"
-        print(f"{label_:24} {r['grants']:6d} {r['rate']:8.0f} {r['timeouts']:8d} {r['per_grant']:9.2f} "
-              f"{r['acquires']:9.2f} {r['p50']:7.2f} {r['p99']:7.2f} {r['regrant'] * 100:6.0f}% {crossed}")
-    rc.close()
-    oc.close()
-    raw.close()
-    own.close()
 
 
 if __name__ == "__main__":
