@@ -33,10 +33,10 @@ Run as root, as ``dblock._mariadb_server`` does: the servers drop to ``mysql``.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pwd
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -149,21 +149,26 @@ class Cluster:
         self.provider = provider()
         base = base or Path(single._memory_dir() or tempfile.gettempdir())
         self.directory = Path(tempfile.mkdtemp(prefix="dblock-galera-", dir=base)).resolve()
-        self.user_option = single._os_user(self.directory)  # chowns the directory to mysql (as root)
-        self.directory.chmod(0o755)
-        self.password = secrets.token_hex(16)
-        self.name = "dblock-" + secrets.token_hex(4)
-        ports = _free_ports(4 * NODES)
         self.nodes: list[Node] = []
-        for i in range(NODES):
-            home = self.directory / f"node{i}"
-            home.mkdir()
-            _hand_over(home)
-            self.nodes.append(Node(i, home, *ports[4 * i : 4 * i + 4]))
+        try:
+            self.user_option = single._os_user(self.directory)  # chowns the directory to mysql (as root)
+            self.directory.chmod(0o755)
+            ports = _free_ports(4 * NODES)
+            for i in range(NODES):
+                home = self.directory / f"node{i}"
+                home.mkdir()
+                _hand_over(home)
+                self.nodes.append(Node(i, home, *ports[4 * i : 4 * i + 4]))
+        except BaseException:
+            single._remove(self.directory)
+            raise
+        self.password = secrets.token_hex(16)  # hex: nothing to quote in a URL or in SQL
+        self.name = "dblock-" + secrets.token_hex(4)
         self.urls = [f"mariadb+pymysql://root:{self.password}@{HOST}:{n.port}/{DATABASE}" for n in self.nodes]
         self.start_seconds: float | None = None  # how long start() took
         self._owner = os.getpid()
         self._stopped = False
+        atexit.register(self.stop)  # a cluster nobody stopped (an interrupted run) is stopped at exit
 
     # -- starting -------------------------------------------------------------------------
     def start(self, timeout: float = 90) -> Cluster:
@@ -394,7 +399,6 @@ __all__ = ["Cluster", "DATABASE", "missing", "start"]
 
 if __name__ == "__main__":  # python -m tests.galera: start, show, stop (a smoke check of the harness)
     with start() as cluster:
-        print(f"started in {cluster.start_seconds:.1f} s: {cluster.urls}")
+        print(f"started in {cluster.start_seconds:.1f} s")
         for i in range(NODES):
             print(i, cluster.status(i, "wsrep_cluster_size", "wsrep_local_state_comment", "wsrep_cluster_status"))
-        shutil.disk_usage(cluster.directory)

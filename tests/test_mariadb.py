@@ -188,3 +188,82 @@ def test_the_django_app_runs_on_a_mariadb_database(db: Db, tmp_path: Path) -> No
         assert manage("dblock", "status") == "no leases held\n"
     finally:
         drop_mariadb_database(url.render_as_string(hide_password=False))
+
+
+# -- faults: a server of the test's own, frozen and killed -----------------------------------------
+SLACK = 3.0  # a loaded 2-core machine's scheduling
+
+
+@pytest.fixture
+def own_server() -> Iterator[object]:
+    """A throwaway MariaDB server for this test alone (it is frozen and killed)."""
+    from dblock import _mariadb_server
+
+    found = _mariadb_server.find()
+    if isinstance(found, str):
+        pytest.skip(found)
+    server = _mariadb_server.MariaDBServer.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _timed(call):  # noqa: ANN001, ANN202
+    import time
+
+    started = time.monotonic()
+    try:
+        result, exc = call(), None
+    except Exception as caught:  # noqa: BLE001 - the test reads it
+        result, exc = None, caught
+    return time.monotonic() - started, exc, result
+
+
+def test_a_frozen_server_bounds_every_call_and_leaks_no_lease(own_server: object) -> None:
+    """SIGSTOP the server: calls return in time (the watchdog cuts PyMySQL's socket); thawed, what a
+    cut-off call granted is ended by the clean-up, and the lock works again."""
+    import os
+    import signal
+
+    from .conftest import wait_for
+
+    url, pid = own_server.url, own_server.pid  # type: ignore[attr-defined]
+    table = "t_" + secrets.token_hex(4)
+    with Locker(url, table=table, op_timeout=1) as locker:
+        locker.create_schema()
+        locker.try_acquire("warm").release()  # a pooled connection whose server will freeze
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            took, exc, _ = _timed(lambda: locker.try_acquire("frozen", ttl=60))
+            assert isinstance(exc, dblock.DatabaseUnavailable), exc
+            assert took <= 1.25 + 1 + SLACK, f"try_acquire took {took:.1f} s on a frozen server (op_timeout=1)"
+            took, exc, _ = _timed(lambda: locker.acquire("frozen", ttl=60, timeout=2))
+            assert isinstance(exc, dblock.DatabaseUnavailable), exc
+            assert took <= 2 + 2.5 + SLACK, f"acquire(timeout=2) took {took:.1f} s on a frozen server"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        probe = Db("mariadb", url, table)
+        wait_for(lambda: probe.query(f"SELECT count(*) FROM {table} WHERE owner IS NOT NULL") == [(0,)],
+                 timeout=30, what="the abandoned grants to be ended")
+        assert locker.try_acquire("frozen") is not None
+
+
+def test_a_killed_server_is_an_outage_and_a_restarted_one_serves_again(own_server: object) -> None:
+    """The server killed outright: every call raises DatabaseUnavailable in time; started again on
+    the same files, the same Locker grants above every earlier token."""
+    from dblock import _mariadb_server
+
+    url = own_server.url  # type: ignore[attr-defined]
+    table = "t_" + secrets.token_hex(4)
+    with Locker(url, table=table, op_timeout=1) as locker:
+        locker.create_schema()
+        first = locker.try_acquire("k", ttl=60)
+        assert first is not None
+        own_server.kill()  # type: ignore[attr-defined]
+        took, exc, _ = _timed(lambda: locker.try_acquire("k"))
+        assert isinstance(exc, dblock.DatabaseUnavailable), exc
+        assert took <= 2 + SLACK
+        with pytest.raises(dblock.DatabaseUnavailable):
+            first.release()
+    assert isinstance(_mariadb_server.find(), tuple)

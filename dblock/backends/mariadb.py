@@ -155,11 +155,18 @@ class MariaDB(Backend):
         if left <= 0:
             raise OutOfTime(f"no time left to connect to {self.where}")
         try:
-            raw = _Connection(**self._params, connect_timeout=max(0.001, left), defer_connect=False)
+            # Until the session is set up, every read and write is bounded by the connect's time (a
+            # server that accepts and then stays silent, frozen say, would hold the greeting for
+            # ever); after that, dblock's watchdog bounds each statement by its own deadline.
+            bound = max(0.001, left)
+            raw = _Connection(
+                **self._params, connect_timeout=bound, read_timeout=bound, write_timeout=bound, defer_connect=False
+            )
             with raw.cursor() as cursor:
                 cursor.execute(_SESSION)
                 while cursor.nextset():
                     pass
+            raw.unbounded()
         except pymysql.MySQLError as exc:
             raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
         check_server(raw.get_server_info(), self.where)
@@ -202,10 +209,21 @@ class MariaDB(Backend):
         except asyncio.TimeoutError:
             raise DatabaseUnavailable(f"cannot connect to {self.where}: no answer within {left:.3g} s") from None
         raw.__class__ = _AsyncConnection
-        async with raw.cursor() as cursor:
-            await cursor.execute(_SESSION)
-            while await cursor.nextset():
-                pass
+
+        async def session() -> None:
+            async with raw.cursor() as cursor:
+                await cursor.execute(_SESSION)
+                while await cursor.nextset():
+                    pass
+
+        try:
+            await asyncio.wait_for(session(), max(0.001, deadline - time.monotonic()))
+        except (pymysql.MySQLError, OSError) as exc:
+            raw.close()
+            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
+        except asyncio.TimeoutError:
+            raw.close()
+            raise DatabaseUnavailable(f"cannot connect to {self.where}: no answer within the call's time") from None
         check_server(raw.get_server_info(), self.where)
         return raw
 
@@ -345,6 +363,10 @@ try:
     from pymysql.constants import CLIENT
 
     class _Connection(pymysql.connections.Connection):  # type: ignore[misc]
+        def unbounded(self) -> None:
+            """No socket timeout from now on (it applies at the next read or write)."""
+            self._read_timeout = self._write_timeout = None
+
         def fileno(self) -> int:
             if self._sock is None:
                 raise OSError("closed")
