@@ -609,7 +609,7 @@ def test_status_json_is_exact_and_a_password_in_the_query_is_never_printed(pg_cl
         ["run", "x", "--bogus", "--", "true"],
         ["run", "x", "--table", "no way", "--", "true"],
         ["run", "x", "--schema", "s", "--", "true"],
-        ["run", "x", "--url", "mysql://u@h/db", "--", "true"],
+        ["run", "x", "--url", "oracle://u@h/db", "--", "true"],
         ["run", "x", "--url", "not a url", "--", "true"],
         ["status", "--schema", "s"],
         ["release", "x"],
