@@ -265,20 +265,29 @@ def test_the_fencing_samples_write_what_they_say(pg_url: str, capsys: pytest.Cap
 def test_the_django_samples_make_a_project_that_runs(pg_url: str, tmp_path: Path) -> None:
     """The python blocks of "Django" as a project's files: makemigrations, migrate, then debit()."""
     pytest.importorskip("django")
+    url = make_url(create_database(pg_url))
+    database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.database, "USER": url.username or "",
+                "PASSWORD": url.password or "", "HOST": url.query.get("host") or url.host or "",  # a socket dir: in the query
+                "PORT": str(url.port or url.query.get("port") or "")}
+    try:
+        run_the_django_samples(tmp_path, database)
+    finally:
+        drop_database(pg_url, url.render_as_string(hide_password=False))
+
+
+def run_the_django_samples(tmp_path: Path, database: dict[str, str], prelude: str = "") -> None:
+    """docs/django.md's files as a project on ``database`` (settings' DATABASES["default"], after
+    ``prelude``): makemigrations, migrate, a fenced debit, and `manage.py dblock status`."""
     found = samples("django.md")
     assert all(tested == "tests/test_docs.py" for tested, _ in found)
     files = {block.split("\n", 1)[0].removeprefix("# "): block for _, block in found}
     assert set(files) == {"settings.py", "shop/models.py", "shop/jobs.py"}
-    url = make_url(create_database(pg_url))
     (tmp_path / "shop").mkdir()
     (tmp_path / "shop" / "__init__.py").write_text("")
     for path, text in files.items():
         (tmp_path / path).write_text(text)
     with (tmp_path / "settings.py").open("a") as settings:
-        database = {"ENGINE": "django.db.backends.postgresql", "NAME": url.database, "USER": url.username or "",
-                    "PASSWORD": url.password or "", "HOST": url.query.get("host") or url.host or "",  # a socket dir: in the query
-                    "PORT": str(url.port or url.query.get("port") or "")}
-        settings.write(f"DATABASES = {{'default': {database!r}}}\nSECRET_KEY = 'readme'\nUSE_TZ = True\n"
+        settings.write(f"{prelude}DATABASES = {{'default': {database!r}}}\nSECRET_KEY = 'readme'\nUSE_TZ = True\n"
                        "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DJANGO_SETTINGS_MODULE": "settings", "PYTHONPATH": str(tmp_path)}
 
@@ -288,18 +297,15 @@ def test_the_django_samples_make_a_project_that_runs(pg_url: str, tmp_path: Path
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout
 
-    try:
-        manage("makemigrations", "shop", "-v", "0")
-        manage("migrate", "-v", "0")
-        script = (
-            "from shop.jobs import debit\nfrom shop.models import Account\n"
-            "Account.objects.create(pk=1, balance=100)\nprint(debit(1, 30))\n"
-            "print(*Account.objects.values_list('balance', 'fence_token').get(pk=1))"
-        )
-        result, row = manage("shell", "-v", "0", "-c", script).splitlines()
-        assert result == "debited"
-        balance, token = map(int, row.split())
-        assert balance == 70 and token >= 1
-        assert manage("dblock", "status") == "no leases held\n"
-    finally:
-        drop_database(pg_url, url.render_as_string(hide_password=False))
+    manage("makemigrations", "shop", "-v", "0")
+    manage("migrate", "-v", "0")
+    script = (
+        "from shop.jobs import debit\nfrom shop.models import Account\n"
+        "Account.objects.create(pk=1, balance=100)\nprint(debit(1, 30))\n"
+        "print(*Account.objects.values_list('balance', 'fence_token').get(pk=1))"
+    )
+    result, row = manage("shell", "-v", "0", "-c", script).splitlines()
+    assert result == "debited"
+    balance, token = map(int, row.split())
+    assert balance == 70 and token >= 1
+    assert manage("dblock", "status") == "no leases held\n"

@@ -149,43 +149,14 @@ def test_the_django_app_runs_on_a_mariadb_database(db: Db, tmp_path: Path) -> No
     MySQLdb shim): migrate makes dblock's tables, debit() takes the lock and writes fenced, and
     `manage.py dblock status` reads the same tables."""
     pytest.importorskip("django")
-    import os
-
-    from .docs import create_mariadb_database, drop_mariadb_database, samples
+    from .docs import create_mariadb_database, drop_mariadb_database
+    from .test_docs import run_the_django_samples
 
     url = make_url(create_mariadb_database(db.url))
-    files = {block.split("\n", 1)[0].removeprefix("# "): block for _, block in samples("django.md")}
-    (tmp_path / "shop").mkdir()
-    (tmp_path / "shop" / "__init__.py").write_text("")
-    for path, text in files.items():
-        (tmp_path / path).write_text(text)
-    with (tmp_path / "settings.py").open("a") as settings:
-        database = {"ENGINE": "django.db.backends.mysql", "NAME": url.database, "USER": url.username or "",
-                    "PASSWORD": url.password or "", "HOST": url.host or "", "PORT": str(url.port or "")}
-        settings.write("import pymysql\npymysql.install_as_MySQLdb()  # Django's mysql ENGINE on PyMySQL\n"
-                       f"DATABASES = {{'default': {database!r}}}\nSECRET_KEY = 'maria'\nUSE_TZ = True\n"
-                       "DEFAULT_AUTO_FIELD = 'django.db.models.BigAutoField'\n")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DJANGO_SETTINGS_MODULE": "settings", "PYTHONPATH": str(tmp_path)}
-
-    def manage(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "django", *args], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stdout + out.stderr
-        return out.stdout
-
+    database = {"ENGINE": "django.db.backends.mysql", "NAME": url.database or "", "USER": url.username or "",
+                "PASSWORD": url.password or "", "HOST": url.host or "", "PORT": str(url.port or "")}
     try:
-        manage("makemigrations", "shop", "-v", "0")
-        manage("migrate", "-v", "0")
-        script = (
-            "from shop.jobs import debit\nfrom shop.models import Account\n"
-            "Account.objects.create(pk=1, balance=100)\nprint(debit(1, 30))\n"
-            "print(*Account.objects.values_list('balance', 'fence_token').get(pk=1))"
-        )
-        result, row = manage("shell", "-v", "0", "-c", script).splitlines()
-        assert result == "debited"
-        balance, token = map(int, row.split())
-        assert balance == 70 and token >= 1
-        assert manage("dblock", "status") == "no leases held\n"
+        run_the_django_samples(tmp_path, database, prelude="import pymysql\npymysql.install_as_MySQLdb()\n")
     finally:
         drop_mariadb_database(url.render_as_string(hide_password=False))
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import time
 from typing import Any, ClassVar, Sequence
@@ -68,9 +69,15 @@ EXPIRES = f"({CLOCK} + %(ttl)s)"
 # Tables: every string compared byte for byte, trailing spaces included ('job' and
 # 'job ' are two locks, as on PostgreSQL and SQLite); InnoDB for row locks.
 TABLE_OPTIONS = {"mariadb_engine": "InnoDB", "mariadb_charset": "utf8mb4", "mariadb_collate": "utf8mb4_nopad_bin"}
-# Errors of a statement that the server rolled back whole: sent again, a few times.
+# Errors of a statement that the server rolled back whole: sent again, a few times, after a
+# random pause that grows (on a Galera cluster, grants of one name from several nodes lose
+# certification often; sent again at once, they would collide again).
 _RETRIED = {1213, 1205}  # deadlock or certification conflict; lock wait timeout
-_RETRIES = 5
+_RETRIES = 8
+
+
+def _backoff(attempt: int) -> float:
+    return random.uniform(0, min(0.05, 0.001 * 2**attempt))
 # Errors of a server going away, starting or out of room.
 _OUTAGE = {1040, 1053, 1077, 1152, 1158, 1159, 1160, 1161, 2002, 2003, 2006, 2013, 2055, 1927, 1213, 1205, 1047}
 _PRIVILEGE = {1044, 1045, 1142, 1143, 1227, 1370}
@@ -188,6 +195,7 @@ class MariaDB(Backend):
                 _abandon(cursor)
                 if _code(exc) not in _RETRIED or attempt == _RETRIES - 1:
                     raise
+                time.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
 
     async def aconnect(self, deadline: float) -> Any:
@@ -246,6 +254,7 @@ class MariaDB(Backend):
                 await _aabandon(cursor)
                 if _code(exc) not in _RETRIED or attempt == _RETRIES - 1:
                     raise
+                await asyncio.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
 
     def is_broken(self, raw: Any) -> bool:
