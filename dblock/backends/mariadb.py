@@ -29,9 +29,10 @@ How the statements keep the guarantees:
   round trip (``BEGIN; ...; COMMIT`` as a multi-statement text, or a ``BEGIN NOT
   ATOMIC`` block where a step depends on an earlier one): the rows the client
   receives are those its commit made. On Galera a commit that loses
-  certification fails (error 1213) and nothing is reported as granted; an
-  autocommit statement would instead be retried by the server after its
-  first attempt's rows had already reached the client.
+  certification fails (error 1213) and nothing is reported as granted. The
+  server's own rerun of an aborted autocommit statement (a whole block is one)
+  is turned off for dblock's sessions: its first run's rows may already have
+  reached the client.
 - A statement that lost a deadlock or a certification conflict was rolled back
   whole, so it is sent again (every statement here may be).
 """
@@ -73,7 +74,7 @@ TABLE_OPTIONS = {"mariadb_engine": "InnoDB", "mariadb_charset": "utf8mb4", "mari
 # random pause that grows (on a Galera cluster, grants of one name from several nodes lose
 # certification often; sent again at once, they would collide again).
 _RETRIED = {1213, 1205}  # deadlock or certification conflict; lock wait timeout
-_RETRIES = 8
+_RETRIES = 20
 
 
 def _backoff(attempt: int) -> float:
@@ -108,6 +109,24 @@ _SESSION = (
     f" SESSION max_statement_time = {STATEMENT_LIFE}, SESSION innodb_lock_wait_timeout = {LOCK_WAIT};"
     " SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
 )
+
+# On a Galera cluster the server runs an autocommit statement again, by default once, when a
+# replicated write aborted it; a BEGIN NOT ATOMIC block is one such statement, and the rows its
+# aborted run sent may already have reached the client. In 10.11 the rerun's rows even arrive
+# without their column metadata, and the client misreads the reply (PyMySQL: struct.error).
+# Off for dblock's sessions: a conflict is an error 1213, and execute sends the statement again.
+_NO_SERVER_RETRY = "SET SESSION wsrep_retry_autocommit = 0"
+_UNKNOWN_VARIABLE = 1193  # a server built without Galera has no such variable
+
+
+def _no_server_retry(cursor: Any) -> None:
+    import pymysql  # noqa: PLC0415
+
+    try:
+        cursor.execute(_NO_SERVER_RETRY)
+    except pymysql.MySQLError as exc:
+        if _code(exc) != _UNKNOWN_VARIABLE:
+            raise
 
 
 class MariaDB(Backend):
@@ -173,6 +192,7 @@ class MariaDB(Backend):
                 cursor.execute(_SESSION)
                 while cursor.nextset():
                     pass
+                _no_server_retry(cursor)
             raw.unbounded()
         except pymysql.MySQLError as exc:
             raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
@@ -223,6 +243,11 @@ class MariaDB(Backend):
                 await cursor.execute(_SESSION)
                 while await cursor.nextset():
                     pass
+                try:
+                    await cursor.execute(_NO_SERVER_RETRY)
+                except pymysql.MySQLError as exc:
+                    if _code(exc) != _UNKNOWN_VARIABLE:
+                        raise
 
         try:
             await asyncio.wait_for(session(), max(0.001, deadline - time.monotonic()))
