@@ -31,6 +31,7 @@ are: a face asks ``backend.caps.fair_queue``, not which database it is.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Sequence
@@ -395,3 +396,23 @@ SELECT x.name, x.owner, x.token, x.acquired_at, x.expires_at, {remaining.format(
 FROM {h} AS x JOIN {t} AS l ON l.name = x.name AND l.owner = {SHARED}
 WHERE x.expires_at > {now}{one}
 ORDER BY 1, 3"""
+
+
+# -- row shapes shared by the backends whose statements report them alike (SQLite, MariaDB) ------
+def shared_grant(rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
+    """``share_acquired`` for a share_acquire that returns (token, expires_at, free) when granted,
+    nothing when not (then share_holder's one row: the wait)."""
+    if not rows:
+        return Miss(holder[0][0] if holder else None), None
+    token, expires_at, free = rows[0]
+    return Grant(token, core.when(expires_at)), None if free is None else int(free)
+
+
+def owned_token(rows: Rows) -> int | None:
+    """``owned`` for an owned statement that returns the owner's token, or nothing."""
+    return rows[0][0] if rows else None
+
+
+def json_batch(leases: Sequence[tuple[str, str, int, float]]) -> dict[str, Any]:
+    """``batch`` for ``caps.batch_binds == "json"``: one JSON array of [name, owner, token, ttl]."""
+    return {"batch": json.dumps([list(lease) for lease in leases])}

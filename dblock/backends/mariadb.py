@@ -40,7 +40,6 @@ How the statements keep the guarantees:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import time
@@ -59,7 +58,7 @@ from .._redact import display_url
 from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
 from ..schema import holders_table_name
 from .base import SHARED as _SHARED
-from .base import Backend, Capabilities, Statements, leases_statement
+from .base import Backend, Capabilities, Statements, json_batch, leases_statement, owned_token, shared_grant
 
 # The server's clock as Unix seconds: NOW(6) is fixed for the statement (compare
 # with it), SYSDATE(6) is read when evaluated (a new expiry counts from then: the
@@ -158,20 +157,9 @@ class MariaDB(Backend):
             return Miss(wait)
         return Grant(token, core.when(expires_at))
 
-    @staticmethod
-    def share_acquired(rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
-        if not rows:
-            return Miss(holder[0][0] if holder else None), None
-        token, expires_at, free = rows[0]
-        return Grant(token, core.when(expires_at)), None if free is None else int(free)
-
-    @staticmethod
-    def owned(rows: Rows) -> int | None:
-        return rows[0][0] if rows else None
-
-    @staticmethod
-    def batch(leases: Sequence[tuple[str, str, int, float]]) -> dict[str, Any]:
-        return {"batch": json.dumps([list(lease) for lease in leases])}
+    share_acquired = staticmethod(shared_grant)
+    owned = staticmethod(owned_token)
+    batch = staticmethod(json_batch)
 
     # -- connections -----------------------------------------------------------
     def connect(self, deadline: float) -> Any:

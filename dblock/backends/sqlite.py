@@ -9,7 +9,6 @@ backoff, and threads of one process take turns (``_wait.Hotspot``).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sqlite3
@@ -28,7 +27,7 @@ from .._faults import Busy, first_line, missing_schema_hint
 from ..errors import DatabaseUnavailable, DBLockError, SchemaMissing
 from ..schema import default_sqlite_path, holders_table_name
 from .base import SHARED as _SHARED
-from .base import WRITER_WAIT_MS, Backend, Capabilities, Statements, leases_statement
+from .base import WRITER_WAIT_MS, Backend, Capabilities, Statements, json_batch, leases_statement, owned_token, shared_grant
 
 SQLITE_BUSY_TIMEOUT_MS = WRITER_WAIT_MS  # a new connection's, until a call sets its own
 
@@ -62,20 +61,9 @@ class SQLite(Backend):
         token, expires_at = rows[0]
         return Grant(token, core.when(expires_at))
 
-    @staticmethod
-    def share_acquired(rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
-        if not rows:
-            return Miss(holder[0][0] if holder else None), None
-        token, expires_at, free = rows[0]
-        return Grant(token, core.when(expires_at)), free
-
-    @staticmethod
-    def owned(rows: Rows) -> int | None:
-        return rows[0][0] if rows else None
-
-    @staticmethod
-    def batch(leases: Sequence[tuple[str, str, int, float]]) -> dict[str, Any]:
-        return {"batch": json.dumps([list(lease) for lease in leases])}
+    share_acquired = staticmethod(shared_grant)
+    owned = staticmethod(owned_token)
+    batch = staticmethod(json_batch)
 
     # -- connections -----------------------------------------------------------
     def connect(self, deadline: float) -> Any:
