@@ -9,18 +9,15 @@ subprocess with the same settings, for commands as users run them.
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import psycopg
 import pytest
-from sqlalchemy.engine import make_url
 
-from .conftest import libpq_dsn
+from .docs import create_database, drop_database
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = "tests.django_settings"
@@ -45,15 +42,7 @@ class DjangoEnv:
 
 def scratch_database(pg_url: str) -> str:
     """A new, empty PostgreSQL database on the test server: its URL (drop it with drop_database)."""
-    name = "dj_" + secrets.token_hex(5)
-    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    return make_url(pg_url).set(database=name).render_as_string(hide_password=False)
-
-
-def drop_database(pg_url: str, url: str) -> None:
-    with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {make_url(url).database} WITH (FORCE)")
+    return create_database(pg_url, "dj_")
 
 
 def manage(env: DjangoEnv, *args: str, timeout: float = 120, **environ: str) -> subprocess.CompletedProcess[str]:

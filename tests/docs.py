@@ -67,9 +67,9 @@ def samples(name: str, lang: str = "python") -> list[tuple[str | None, str]]:
     return [(tested or None, code) for tested, kind, code in SAMPLE.findall(page(name)) if kind == lang]
 
 
-def create_database(pg_url: str) -> str:
+def create_database(pg_url: str, prefix: str = "docs_") -> str:
     """A new, empty database on the test server: its URL (drop it with drop_database)."""
-    name = "docs_" + secrets.token_hex(5)
+    name = prefix + secrets.token_hex(5)
     with psycopg.connect(libpq_dsn(pg_url), autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {name}")
     return make_url(pg_url).set(database=name).render_as_string(hide_password=False)
