@@ -177,6 +177,8 @@ class AsyncAcquirer:
             return None, outcome.wait
         if core.shared_kind(attempt.limit):
             self.shared_hot.mark_full(name, free is not None and free <= 0)
+        elif not self.queued:
+            self.hot.mark_full(name, True)  # held here: the next in this process's line waits for our release
         log.debug("granted %r (limit %s) token=%s", name, attempt.limit, outcome.token)
         return Granted(outcome.token, outcome.expires_at, sent_at), None
 
@@ -193,12 +195,14 @@ class AsyncAcquirer:
         try:
             if not await aevent_wait(me, deadline - time.monotonic()):
                 raise LockNotAcquired(name, timeout)  # never reached the head of the local line
-            if promoted and shared and hot.full(name):
-                # The waiter ahead of us was just granted the semaphore's last free slot:
-                # look after a pause, or at once when this process releases one.
-                me.clear()
-                pause = core.backoff(self.poll_min, None, random.random())
-                await aevent_wait(me, min(pause, max(deadline - time.monotonic(), 0)))
+            if promoted:
+                me.clear()  # before looking at the line: a release from now on sets it again
+                if hot.full(name):
+                    # The waiter ahead of us was just granted the lock (or a semaphore's last
+                    # free slot) and holds it still: asking now would only miss. Look after a
+                    # pause, or at once when this process releases it.
+                    pause = core.backoff(self.poll_min, None, random.random())
+                    await aevent_wait(me, min(pause, max(deadline - time.monotonic(), 0)))
             delay, outage_delay = self.poll_min, OUTAGE_RETRY_MIN
             outage: DatabaseUnavailable | None = None  # the last attempt's failure, if it failed
             while True:

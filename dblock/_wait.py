@@ -280,7 +280,7 @@ class _Line:
 
     def __init__(self) -> None:
         self.waiters: deque[Event] = deque()
-        self.full = False  # a semaphore's line: its last grant here took the last free slot
+        self.full = False  # the last grant here left no free slot (an exclusive grant always), no release since
 
 
 class Hotspot:
@@ -328,11 +328,14 @@ class Hotspot:
         """This process released ``name``: wake its local head to try at once."""
         with self._lock:
             line = self._lines.get(name)
-            if line is not None and line.waiters:
-                line.waiters[0].set()
+            if line is not None:
+                line.full = False
+                if line.waiters:
+                    line.waiters[0].set()
 
     def mark_full(self, name: str, full: bool) -> None:
-        """A grant of ``name`` here left no free slot (``full``), or some."""
+        """A grant of ``name`` here left no free slot (``full``: an exclusive grant, or a
+        semaphore's last free slot), or some."""
         with self._lock:
             line = self._lines.get(name)
             if line is not None:
