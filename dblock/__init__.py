@@ -22,14 +22,15 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .aio import AsyncLease, AsyncLocker, AsyncShared
+    from .aio import AsyncLease, AsyncLeaseGroup, AsyncLocker, AsyncShared
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
-    from .lease import Lease, LeaseInfo
+    from .lease import Lease, LeaseGroup, LeaseInfo
     from .locker import Locker, Shared
 
 _LAZY = {
     "AsyncLease": ".aio",
+    "AsyncLeaseGroup": ".aio",
     "AsyncLocker": ".aio",
     "AsyncShared": ".aio",
     "current_lease": ".decorator",
@@ -41,6 +42,7 @@ _LAZY = {
     "fenced_update": ".fencing",
     "fenced_upsert": ".fencing",
     "Lease": ".lease",
+    "LeaseGroup": ".lease",
     "LeaseInfo": ".lease",
     "Locker": ".locker",
     "Shared": ".locker",
@@ -48,12 +50,14 @@ _LAZY = {
 
 __all__ = [
     "AsyncLease",
+    "AsyncLeaseGroup",
     "AsyncLocker",
     "AsyncShared",
     "DBLockError",
     "DatabaseUnavailable",
     "FencedOut",
     "Lease",
+    "LeaseGroup",
     "LeaseInfo",
     "LeaseLost",
     "LockNotAcquired",

@@ -18,13 +18,14 @@ import time
 import warnings
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
 from . import backends, metrics
 from ._aacquire import AsyncAcquirer, Try
+from ._agroup import AsyncLeaseGroup, release_all
 from ._acleanup import AsyncCleanup
 from ._acompat import ALock, acurrent_worker, ato_thread
 from ._adriver import AsyncDriver
@@ -40,7 +41,8 @@ from ._lease_state import HeldHere, LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import (
-    check_blocking, check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl,
+    check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_renew, check_timeout,
+    check_ttl,
 )
 from .errors import LockNotAcquired
 from .schema import DEFAULT_TABLE
@@ -352,6 +354,122 @@ class AsyncLocker:
             check_min_hold(min_hold),
         )
 
+    # -- several names at once -----------------------------------------------
+    async def try_acquire_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+    ) -> AsyncLeaseGroup | None:
+        """One attempt at every name: all of their leases, as one ``AsyncLeaseGroup``, or None
+        and nothing held.
+
+        The names are taken in one canonical order (sorted), whatever order
+        they are given in; when one is held, those taken before it are
+        released before this returns. ``ttl``, ``renew``, ``on_lost`` and
+        ``min_hold`` apply to each lease, as in ``try_acquire``.
+        """
+        ordered = check_names(names)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        held: list[AsyncLease] = []
+        try:
+            for name in ordered:
+                lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold))
+                if lease is None:
+                    await release_all(held)
+                    return None
+                held.append(lease)
+                if renew:
+                    lease.start_renewal(on_lost)
+        except BaseException:
+            await self._give_back(held)
+            raise
+        return AsyncLeaseGroup(held)
+
+    async def acquire_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+        blocking: bool = True,
+    ) -> AsyncLeaseGroup:
+        """Wait up to ``timeout`` seconds in all (default: the Locker's) for every name: all of their
+        leases, as one ``AsyncLeaseGroup``, or ``LockNotAcquired`` with nothing held.
+
+        The names are taken one by one in one canonical order (sorted),
+        whatever order they are given in, waiting for each as ``acquire``
+        does: two callers asking for the same names in different orders
+        never wait for each other in a circle. While it waits for a later
+        name it holds the earlier ones; when the time runs out (or the call
+        fails, or is cancelled) it releases them before raising. Each lease's
+        ``ttl`` counts from its own grant: with ``renew=True`` each is renewed
+        from then on, so the first stay held while the last are waited for.
+        """
+        ordered = check_names(names)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
+        timeout = self.timeout if timeout is None else timeout
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        deadline = time.monotonic() + timeout
+        held: list[AsyncLease] = []
+        try:
+            for name in ordered:
+                left = max(deadline - time.monotonic(), 0.0)
+                lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+                held.append(lease)
+                if renew:
+                    lease.start_renewal(on_lost)
+        except LockNotAcquired as exc:
+            await self._give_back(held)
+            taken = f"; the {len(held)} taken before it were released" if held else ""
+            raise LockNotAcquired(
+                exc.name, timeout, f"it is held by another owner (one of {len(ordered)} names asked for together){taken}"
+            ) from exc
+        except BaseException:
+            await self._give_back(held)
+            raise
+        return AsyncLeaseGroup(held)
+
+    def lock_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        min_hold: float | None = None,
+        blocking: bool = True,
+    ) -> _AsyncGroupContext:
+        """``with locker.lock_all(names) as group:`` acquires every name as ``acquire_all`` does, and
+        releases them all on exit (also on error; asynchronous on asyncio)."""
+        ordered = check_names(names)
+        check_renew(renew, on_lost)
+        options: dict[str, Any] = dict(
+            ttl=None if ttl is None else check_ttl(ttl),
+            timeout=check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
+            renew=renew, on_lost=on_lost, min_hold=check_min_hold(min_hold),
+        )
+        return _AsyncGroupContext(self, ordered, options)
+
+    async def _give_back(self, held: list[AsyncLease]) -> None:
+        """Release what an ``acquire_all`` that failed had taken (a failed release is logged: its
+        lease ends at its expiry)."""
+        try:
+            await release_all(held)
+        except Exception as exc:  # noqa: BLE001 - the caller's own error is the one to raise
+            release_log.warning("could not release every lease of a group that was not completed: %s", exc)
+
     if True:  # ASYNC
 
         def synchronized(
@@ -631,6 +749,25 @@ class _AsyncLockContext:
         lease, self._lease = self._lease, None
         if lease is not None:
             await lease.__aexit__(exc_type, exc, tb)
+
+
+class _AsyncGroupContext:
+    __slots__ = ("_locker", "_names", "_options", "_group")
+
+    def __init__(self, locker: AsyncLocker, names: list[str], options: dict[str, Any]) -> None:
+        self._locker, self._names, self._options = locker, names, options
+        self._group: AsyncLeaseGroup | None = None
+
+    async def __aenter__(self) -> AsyncLeaseGroup:
+        self._group = await self._locker.acquire_all(self._names, **self._options)
+        return self._group
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            await group.__aexit__(exc_type, exc, tb)
 
 
 class AsyncShared:

@@ -20,13 +20,14 @@ import time
 import warnings
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, NamedTuple, ParamSpec, TypeVar
 
 from sqlalchemy.engine import URL, Engine
 
 from . import _core as core
 from . import backends, metrics
 from ._acquire import Acquirer, Try
+from ._group import LeaseGroup, release_all
 from ._cleanup import Cleanup
 from ._acompat import Lock, current_worker, to_thread
 from ._driver import Driver
@@ -42,7 +43,8 @@ from ._lease_state import HeldHere, LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import (
-    check_blocking, check_limit, check_min_hold, check_name, check_options, check_renew, check_timeout, check_ttl,
+    check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_renew, check_timeout,
+    check_ttl,
 )
 from .errors import LockNotAcquired
 from .schema import DEFAULT_TABLE
@@ -351,6 +353,122 @@ class Locker:
             check_min_hold(min_hold),
         )
 
+    # -- several names at once -----------------------------------------------
+    def try_acquire_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        min_hold: float | None = None,
+    ) -> LeaseGroup | None:
+        """One attempt at every name: all of their leases, as one ``LeaseGroup``, or None
+        and nothing held.
+
+        The names are taken in one canonical order (sorted), whatever order
+        they are given in; when one is held, those taken before it are
+        released before this returns. ``ttl``, ``renew``, ``on_lost`` and
+        ``min_hold`` apply to each lease, as in ``try_acquire``.
+        """
+        ordered = check_names(names)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        held: list[Lease] = []
+        try:
+            for name in ordered:
+                lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold))
+                if lease is None:
+                    release_all(held)
+                    return None
+                held.append(lease)
+                if renew:
+                    lease.start_renewal(on_lost)
+        except BaseException:
+            self._give_back(held)
+            raise
+        return LeaseGroup(held)
+
+    def acquire_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        min_hold: float | None = None,
+        blocking: bool = True,
+    ) -> LeaseGroup:
+        """Wait up to ``timeout`` seconds in all (default: the Locker's) for every name: all of their
+        leases, as one ``LeaseGroup``, or ``LockNotAcquired`` with nothing held.
+
+        The names are taken one by one in one canonical order (sorted),
+        whatever order they are given in, waiting for each as ``acquire``
+        does: two callers asking for the same names in different orders
+        never wait for each other in a circle. While it waits for a later
+        name it holds the earlier ones; when the time runs out (or the call
+        fails, or is cancelled) it releases them before raising. Each lease's
+        ``ttl`` counts from its own grant: with ``renew=True`` each is renewed
+        from then on, so the first stay held while the last are waited for.
+        """
+        ordered = check_names(names)
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
+        timeout = self.timeout if timeout is None else timeout
+        check_renew(renew, on_lost)
+        hold = check_min_hold(min_hold)
+        deadline = time.monotonic() + timeout
+        held: list[Lease] = []
+        try:
+            for name in ordered:
+                left = max(deadline - time.monotonic(), 0.0)
+                lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+                held.append(lease)
+                if renew:
+                    lease.start_renewal(on_lost)
+        except LockNotAcquired as exc:
+            self._give_back(held)
+            taken = f"; the {len(held)} taken before it were released" if held else ""
+            raise LockNotAcquired(
+                exc.name, timeout, f"it is held by another owner (one of {len(ordered)} names asked for together){taken}"
+            ) from exc
+        except BaseException:
+            self._give_back(held)
+            raise
+        return LeaseGroup(held)
+
+    def lock_all(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        min_hold: float | None = None,
+        blocking: bool = True,
+    ) -> _GroupContext:
+        """``with locker.lock_all(names) as group:`` acquires every name as ``acquire_all`` does, and
+        releases them all on exit (also on error; asynchronous on asyncio)."""
+        ordered = check_names(names)
+        check_renew(renew, on_lost)
+        options: dict[str, Any] = dict(
+            ttl=None if ttl is None else check_ttl(ttl),
+            timeout=check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
+            renew=renew, on_lost=on_lost, min_hold=check_min_hold(min_hold),
+        )
+        return _GroupContext(self, ordered, options)
+
+    def _give_back(self, held: list[Lease]) -> None:
+        """Release what an ``acquire_all`` that failed had taken (a failed release is logged: its
+        lease ends at its expiry)."""
+        try:
+            release_all(held)
+        except Exception as exc:  # noqa: BLE001 - the caller's own error is the one to raise
+            release_log.warning("could not release every lease of a group that was not completed: %s", exc)
+
     def synchronized(
         self,
         name: str,
@@ -609,6 +727,25 @@ class _LockContext:
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.__exit__(exc_type, exc, tb)
+
+
+class _GroupContext:
+    __slots__ = ("_locker", "_names", "_options", "_group")
+
+    def __init__(self, locker: Locker, names: list[str], options: dict[str, Any]) -> None:
+        self._locker, self._names, self._options = locker, names, options
+        self._group: LeaseGroup | None = None
+
+    def __enter__(self) -> LeaseGroup:
+        self._group = self._locker.acquire_all(self._names, **self._options)
+        return self._group
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.__exit__(exc_type, exc, tb)
 
 
 class Shared:

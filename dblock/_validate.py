@@ -75,6 +75,24 @@ def check_name(name: object) -> str:
     return check_text(name, "lock name")
 
 
+def check_names(names: object) -> list[str]:
+    """Several lock names, held together: a collection of distinct names, in the canonical order
+    (sorted by code point, which is also their UTF-8 bytes' order) in which every caller takes them."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"names must be a collection of lock names (a list, a set, ...), not one {type(names).__name__}")
+    try:
+        listed = list(names)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}") from None
+    if not listed:
+        raise ValueError("names must hold at least one lock name")
+    checked = [check_name(name) for name in listed]
+    repeated = sorted({name for name in checked if checked.count(name) > 1}) if len(set(checked)) < len(checked) else []
+    if repeated:
+        raise ValueError(f"names must be distinct; given more than once: {', '.join(map(repr, repeated))}")
+    return sorted(checked)
+
+
 def check_ttl(ttl: object, what: str = "ttl") -> float:
     """A span of seconds a lease lasts (or, ``what``, another span checked alike: ``older_than``)."""
     number = _number(ttl, what)

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._agroup import AsyncLeaseGroup
 from ._alease import AsyncLease, AsyncOnLost
 from ._alocker import AsyncLocker, AsyncShared
 
 __all__ = [
-    "AsyncLease", "AsyncLocker", "AsyncOnLost", "AsyncShared",
+    "AsyncLease", "AsyncLeaseGroup", "AsyncLocker", "AsyncOnLost", "AsyncShared",
     "check_lease", "commit_guard", "fence", "fenced", "fenced_read", "fenced_session", "fenced_update", "fenced_upsert",
 ]
 # Fenced writes on AsyncConnection / AsyncSession (``aio_fencing``), loaded on first use;
 # ``fenced`` (which only builds a statement) is the sync module's own.
-_FENCING = {name: ".aio_fencing" for name in __all__[4:]} | {"fenced": ".fencing"}
+_FENCING = {name: ".aio_fencing" for name in __all__[5:]} | {"fenced": ".fencing"}
 
 
 def __getattr__(name: str) -> Any:

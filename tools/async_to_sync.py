@@ -38,11 +38,13 @@ SOURCES = [
     ("dblock/_arenew.py", "dblock/renew.py"),
     ("dblock/_akeeper.py", "dblock/_keeper.py"),
     ("dblock/_alease.py", "dblock/_lease.py"),
+    ("dblock/_agroup.py", "dblock/_group.py"),
     ("dblock/_alocker.py", "dblock/_locker.py"),
     # What both faces promise, tested once.
     ("tests/test_faces_async.py", "tests/test_faces.py"),
     ("tests/test_renew_faces_async.py", "tests/test_renew_faces.py"),
     ("tests/test_waiting_faces_async.py", "tests/test_waiting_faces.py"),
+    ("tests/test_groups_faces_async.py", "tests/test_groups_faces.py"),
 ]
 
 RENAMES = {
@@ -88,6 +90,9 @@ RENAMES = {
     "_alocker": "_locker",
     "AsyncShared": "Shared",
     "_AsyncLockContext": "_LockContext",
+    "_AsyncGroupContext": "_GroupContext",
+    "AsyncLeaseGroup": "LeaseGroup",
+    "_agroup": "_group",
     "ALock": "Lock",
     "ato_thread": "to_thread",
     "aclose": "close",
