@@ -1,6 +1,6 @@
 """dblock on MariaDB: the uncontended pair, the redo a miss writes, and contention, in one run.
 
-    python benchmarks/mariadb.py [--url mariadb+pymysql://root@127.0.0.1:3306/test]
+    python benchmarks/mariadb.py [--url mariadb+pymysql://root@127.0.0.1:3306/test | --galera]
         [--pairs 300] [--rounds 7] [--misses 100] [--threads 8] [--processes 3]
         [--process-threads 4] [--seconds 5] [--hold 0.001] [--timeout 2]
 
@@ -37,6 +37,29 @@ at the end.
    crossed to another process. MariaDB has no NOTIFY: a waiter in another
    process finds the name free only when it polls; threads of one process
    take turns, the head of the line polling and woken by a local release.
+   Also counted: "resent", the texts dblock's MariaDB backend sent again
+   because the server rolled them back (error 1213, a deadlock or a lost
+   certification, or 1205, a lock wait timeout), and "errors", calls that
+   raised DatabaseUnavailable (the thread goes on).
+
+--galera starts a throwaway 3-node Galera cluster on loopback with
+``tests/galera.py`` (as root; the machine's own mariadbd and galera-4, data in
+/dev/shm; 10-40 s to start; stopped at the end whatever happens) and
+measures on it instead of one server (no --url):
+
+a. the uncontended pair, as in 1, on node 0, and the dblock pair with its
+   Locker on node 1 and on node 2 (every grant still replicates to all three);
+   then whether GET_LOCK excludes across nodes (a name held through node 0,
+   GET_LOCK(name, 0) on node 1: 1 means granted, so it does not);
+b. the contended runs of 3 on node 0 (one process, then --processes), and the
+   --processes run again with process p on node p % 3, each with the cluster's
+   certification conflicts over the timed window: ``wsrep_local_cert_failures``
+   (a local commit lost certification) and ``wsrep_local_bf_aborts`` (a local
+   transaction aborted by a replicated one), the changes summed over the three
+   nodes; either one is an error 1213 to the client, which dblock sends again
+   (the "resent" column), and one conflict may be counted by both.
+
+The redo per miss is not measured on Galera.
 """
 
 from __future__ import annotations
@@ -45,6 +68,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,6 +86,7 @@ class Counts:
 
     def __init__(self) -> None:
         self.by_kind: dict[str, int] = {"acquire": 0, "release": 0, "other": 0}
+        self.resent = 0  # texts sent again (count_resends); -1: not counted
         self._lock = threading.Lock()
 
     def wrap(self, backend: Any) -> None:
@@ -79,6 +104,24 @@ class Counts:
     def reset(self) -> None:
         with self._lock:
             self.by_kind = dict.fromkeys(self.by_kind, 0)
+            self.resent = min(self.resent, 0)  # -1 (not counted) stays
+
+    def count_resends(self) -> None:
+        """Count the texts the MariaDB backend sends again (after a 1213 or 1205 it pauses for
+        ``_backoff(attempt)`` first): this process's, whichever Locker sent them."""
+        from dblock.backends import mariadb
+
+        backoff = getattr(mariadb, "_backoff", None)
+        if backoff is None:  # the backend no longer pauses this way: nothing counted
+            self.resent = -1
+            return
+
+        def counted(attempt: int) -> float:
+            with self._lock:
+                self.resent += 1
+            return backoff(attempt)
+
+        mariadb._backoff = counted
 
 
 # -- 1. uncontended ----------------------------------------------------------------------
@@ -93,7 +136,10 @@ def multi(cur: Any, statement: str, binds: dict[str, Any] | None) -> Any:
             return rows
 
 
-def uncontended(args: argparse.Namespace, locker: Any, raw: Any, own: Any) -> None:
+def uncontended(
+    args: argparse.Namespace, locker: Any, raw: Any, own: Any, others: dict[str, Any] | None = None, where: str = ""
+) -> None:
+    """The pairs on ``locker``'s server; ``others``: more dblock pairs, by label, each on a Locker of its own."""
     from _timing import interleaved  # benchmarks/_timing.py
 
     sql = locker.backend.sql  # the very texts dblock sends, for the hand-written baseline
@@ -127,8 +173,13 @@ def uncontended(args: argparse.Namespace, locker: Any, raw: Any, own: Any) -> No
         hand: hand_written,
         "dblock try_acquire + release": dblock_pair,
     }
+    def other_pair(other: Any, key: str) -> Callable[[], None]:
+        return lambda: other.try_acquire(key, ttl=30).release()
+
+    for i, (name, other) in enumerate((others or {}).items()):
+        variants[name] = other_pair(other, f"dblock{i + 1}")
     medians = interleaved(variants, args.rounds, args.pairs)
-    print(f"\n1. uncontended, {args.rounds} rounds x {args.pairs} pairs")
+    print(f"\n1. uncontended{where}, {args.rounds} rounds x {args.pairs} pairs")
     print(f"{'variant':52} {'us/pair':>9} {'vs hand-written':>16} {'vs GET_LOCK':>12}")
     for name, med in medians.items():
         print(f"{name:52} {med:9.1f} {med / medians[hand]:15.2f}x {med / medians[advisory]:11.2f}x")
@@ -206,13 +257,15 @@ def redo(args: argparse.Namespace, locker: Any, raw: Any, table: str) -> None:
 
 # -- 3. contended: one worker process ---------------------------------------------------
 def worker(args: argparse.Namespace) -> None:
-    from dblock import Locker, LockNotAcquired
+    from dblock import DatabaseUnavailable, Locker, LockNotAcquired
 
     locker = Locker(args.url, table=args.table, ttl=10)
     counts = Counts()
     counts.wrap(locker.backend)
+    counts.count_resends()
     events: list[tuple[float, float, int]] = []  # (acquire returned, release called, thread id)
     timeouts = [0]
+    errors = [0]
     guard = threading.Lock()
     warm = threading.Barrier(args.threads + 1)  # the threads and this main thread
 
@@ -229,11 +282,20 @@ def worker(args: argparse.Namespace) -> None:
                 with guard:
                     timeouts[0] += 1
                 continue
+            except DatabaseUnavailable:  # a statement resent until it gave up, say: counted, and go on
+                with guard:
+                    errors[0] += 1
+                continue
             got = time.monotonic()
             if args.hold:
                 time.sleep(args.hold)
             let_go = time.monotonic()
-            lease.release()
+            try:
+                lease.release()
+            except DatabaseUnavailable:
+                with guard:
+                    errors[0] += 1
+                continue
             with guard:
                 events.append((got, let_go, tid))
 
@@ -248,22 +310,36 @@ def worker(args: argparse.Namespace) -> None:
     for t in threads:
         t.join()
     locker.close()
-    json.dump({"events": events, "timeouts": timeouts[0], "counts": counts.by_kind}, sys.stdout)
+    json.dump(
+        {"events": events, "timeouts": timeouts[0], "errors": errors[0], "counts": counts.by_kind,
+         "resent": counts.resent},
+        sys.stdout,
+    )
 
 
-def contend(args: argparse.Namespace, table: str, processes: int, threads: int) -> dict[str, Any]:
+def contend(
+    args: argparse.Namespace, table: str, processes: int, threads: int, urls: list[str] | None = None,
+    around: Callable[[], dict[str, int]] | None = None,
+) -> dict[str, Any]:
+    """One contended run; process p on ``urls[p % len(urls)]`` (default: ``args.url``). ``around()``
+    is read just before the timed window and after it: the changes are returned under "around"."""
+    urls = urls or [args.url]
     cmd = [
-        sys.executable, __file__, "--worker", "--url", args.url, "--table", table, "--threads", str(threads),
+        sys.executable, __file__, "--worker", "--table", table, "--threads", str(threads),
         "--hold", str(args.hold), "--timeout", str(args.timeout),
     ]
     procs = [
-        subprocess.Popen([*cmd, "--proc", str(p)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*cmd, "--url", urls[p % len(urls)], "--proc", str(p)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )
         for p in range(processes)
     ]
     for p in procs:
         assert p.stdout is not None
         if p.stdout.readline() != "ready\n":
             raise SystemExit("a contended worker failed while warming up")
+    before = around() if around else {}
     start_at = time.monotonic() + 0.05
     for p in procs:
         assert p.stdin is not None
@@ -272,6 +348,7 @@ def contend(args: argparse.Namespace, table: str, processes: int, threads: int) 
     outs = [json.loads(p.communicate()[0]) for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit("a contended worker failed")
+    after = around() if around else {}
     events = sorted(e for o in outs for e in o["events"])
     pairs = list(zip(events, events[1:]))
     handover = [(nxt[0] - prev[1]) * 1000 for prev, nxt in pairs if nxt[2] != prev[2]]
@@ -282,6 +359,9 @@ def contend(args: argparse.Namespace, table: str, processes: int, threads: int) 
         "grants": grants,
         "rate": grants / args.seconds,
         "timeouts": sum(o["timeouts"] for o in outs),
+        "errors": sum(o["errors"] for o in outs),
+        "resent": sum(o["resent"] for o in outs) if all(o["resent"] >= 0 for o in outs) else -1,
+        "around": {k: after[k] - before[k] for k in before},
         "per_grant": sum(counts.values()) / grants if grants else float("nan"),
         "acquires": counts["acquire"] / grants if grants else float("nan"),
         "p50": statistics.median(handover) if handover else float("nan"),
@@ -292,30 +372,133 @@ def contend(args: argparse.Namespace, table: str, processes: int, threads: int) 
     }
 
 
-def contended(args: argparse.Namespace, table: str) -> None:
-    print(f"\n3. contended: one name, {args.seconds:g} s per run, hold {args.hold * 1000:g} ms, "
+Run = tuple[str, int, int, "list[str] | None"]  # label, processes, threads per process, URL of process p
+
+
+def contended(
+    args: argparse.Namespace, table: str, runs: list[Run] | None = None, number: str = "3",
+    around: Callable[[], dict[str, int]] | None = None,
+) -> None:
+    """The contended runs (default: one process, then ``--processes``, on ``args.url``); with
+    ``around``, its changes over each timed window in columns of their own."""
+    if runs is None:
+        runs = [
+            (f"1 process x {args.threads} threads", 1, args.threads, None),
+            (f"{args.processes} processes x {args.process_threads} threads", args.processes, args.process_threads,
+             None),
+        ]
+    width = max(24, *(len(name) for name, *_ in runs))
+    results = []
+    for name, procs, threads, urls in runs:
+        results.append((name, procs, contend(args, table, procs, threads, urls, around)))
+    keys = list(results[0][2]["around"]) if results else []
+    print(f"\n{number}. contended: one name, {args.seconds:g} s per run, hold {args.hold * 1000:g} ms, "
           f"acquire timeout {args.timeout:g} s, ttl 10 s")
-    print(f"{'run':24} {'grants':>6} {'grants/s':>8} {'timeouts':>8} {'per grant':>9} {'acq/grant':>9} "
-          f"{'p50 ms':>7} {'p99 ms':>7} {'regrant':>7} {'crossed':>7}")
+    print(f"{'run':{width}} {'grants':>6} {'grants/s':>8} {'timeouts':>8} {'errors':>6} {'per grant':>9} "
+          f"{'acq/grant':>9} {'resent':>6} {'p50 ms':>7} {'p99 ms':>7} {'regrant':>7} {'crossed':>7}"
+          + "".join(f" {k:>{len(k)}}" for k in keys))
     split: list[str] = []
-    for name, procs, threads in (
-        (f"1 process x {args.threads} threads", 1, args.threads),
-        (f"{args.processes} processes x {args.process_threads} threads", args.processes, args.process_threads),
-    ):
-        r = contend(args, table, procs, threads)
+    for name, procs, r in results:
         crossed = f"{r['crossed'] * 100:6.0f}%" if procs > 1 else f"{'-':>7}"
-        print(f"{name:24} {r['grants']:6d} {r['rate']:8.0f} {r['timeouts']:8d} {r['per_grant']:9.2f} "
-              f"{r['acquires']:9.2f} {r['p50']:7.2f} {r['p99']:7.2f} {r['regrant'] * 100:6.0f}% {crossed}")
+        resent = f"{r['resent']:6d}" if r["resent"] >= 0 else f"{'?':>6}"
+        print(f"{name:{width}} {r['grants']:6d} {r['rate']:8.0f} {r['timeouts']:8d} {r['errors']:6d} "
+              f"{r['per_grant']:9.2f} {r['acquires']:9.2f} {resent} {r['p50']:7.2f} {r['p99']:7.2f} "
+              f"{r['regrant'] * 100:6.0f}% {crossed}" + "".join(f" {r['around'][k]:>{len(k)}d}" for k in keys))
         if procs > 1:
             split.append(f"grants by process ({name}): {' / '.join(str(n) for n in r['by_process'])}")
     for line in split:
         print(line)
+    if keys:
+        print(f"({', '.join(keys)}: the changes over each timed window, summed over the nodes)")
+
+
+# -- a Galera cluster --------------------------------------------------------------------
+CONFLICTS = ("wsrep_local_cert_failures", "wsrep_local_bf_aborts")
+
+
+def on_galera(args: argparse.Namespace) -> None:
+    """Start a 3-node cluster (tests/galera.py), measure the pair on node 0 and contention across
+    the nodes, and stop the cluster whatever happens."""
+    import pymysql
+    from sqlalchemy.engine import make_url
+
+    from dblock import Locker
+    from dblock.backends.mariadb import _SESSION, connect_params, pymysql_url
+
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
+    import galera  # type: ignore[import-not-found]  # tests/galera.py
+
+    reason = galera.missing()
+    if reason is not None:
+        raise SystemExit(f"--galera cannot run here. {reason}")
+    if os.geteuid() != 0:
+        raise SystemExit("--galera runs as root (the cluster's servers drop to the mysql OS user)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the cluster too (finally below)
+    cluster = galera.Cluster()
+    lockers: list[Any] = []
+    conns: list[Any] = []
+    try:
+        print("starting a 3-node Galera cluster on 127.0.0.1 ...", flush=True)
+        cluster.start(timeout=120)
+        urls = [pymysql_url(make_url(u)) for u in cluster.urls]
+        args.url = urls[0].render_as_string(hide_password=False)
+        nodes = [u.render_as_string(hide_password=False) for u in urls]
+        table = "bench_" + secrets.token_hex(4)
+        locker = Locker(urls[0], table=table)
+        lockers.append(locker)
+        locker.create_schema()  # through node 0; the DDL runs on every node
+        others = {f"dblock pair, Locker on node {i}": Locker(urls[i], table=table) for i in (1, 2)}
+        lockers.extend(others.values())
+        raw = pymysql.connect(**connect_params(urls[0]))
+        conns.append(raw)
+        own = pymysql.connect(**connect_params(urls[0]))
+        conns.append(own)
+        multi(own.cursor(), _SESSION, None)
+        own.cursor().execute("SET SESSION wsrep_retry_autocommit = 0")  # as dblock's sessions
+        with raw.cursor() as cur:
+            cur.execute("SELECT VERSION()")
+            version = cur.fetchone()[0]
+        provider = cluster.status(0, "wsrep_provider_version").get("wsrep_provider_version", "?")
+        print(f"MariaDB {version}, Galera {provider}: 3 nodes on 127.0.0.1, started in "
+              f"{cluster.start_seconds:.1f} s; {os.cpu_count()} CPUs for the nodes and the clients")
+
+        def conflicts() -> dict[str, int]:
+            totals = dict.fromkeys(CONFLICTS, 0)
+            for i in range(galera.NODES):
+                for k, v in cluster.status(i, *CONFLICTS).items():
+                    totals[k] += int(v)
+            return totals
+
+        uncontended(args, locker, raw, own, others, where=" on node 0 of the Galera cluster")
+        # GET_LOCK is no lock of the cluster's: each node keeps its own (is it still so here?).
+        elsewhere = cluster.connect(1)
+        conns.append(elsewhere)
+        with raw.cursor() as here, elsewhere.cursor() as there:
+            here.execute("SELECT GET_LOCK('probe', 0)")
+            there.execute("SELECT GET_LOCK('probe', 0)")
+            print(f"GET_LOCK('probe', 0) on node 0 returned {here.fetchone()[0]}, then on node 1 "
+                  f"{there.fetchone()[0]} (1: granted, so not a lock across the nodes)")
+            here.execute("SELECT RELEASE_LOCK('probe')")
+            there.execute("SELECT RELEASE_LOCK('probe')")
+        p, t = args.processes, args.process_threads
+        contended(args, table, [
+            (f"1 process x {args.threads} threads, node 0", 1, args.threads, [nodes[0]]),
+            (f"{p} processes x {t} threads, all on node 0", p, t, [nodes[0]]),
+            (f"{p} processes x {t} threads, process p on node p % 3", p, t, nodes),
+        ], number="2", around=conflicts)
+    finally:
+        for conn in conns:
+            conn.close()
+        for one in lockers:
+            one.close()
+        cluster.stop()  # the table goes with it
 
 
 # -- the driver -------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_MARIADB_URL"))
+    ap.add_argument("--url", help="a MariaDB server (default: $DBLOCK_TEST_MARIADB_URL, else a throwaway one)")
+    ap.add_argument("--galera", action="store_true", help="measure on a throwaway 3-node Galera cluster (as root)")
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--misses", type=int, default=100)
@@ -332,6 +515,12 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.galera:
+        if args.url:
+            ap.error("--galera starts a cluster of its own: no --url")
+        on_galera(args)
+        return
+    args.url = args.url or os.environ.get("DBLOCK_TEST_MARIADB_URL")
 
     import pymysql
     from sqlalchemy.engine import make_url
