@@ -86,13 +86,14 @@ class Acquirer:
         self.hot = Hotspot()  # this process's waiters for the exclusive lock, per name (polling)
         self.shared_hot = Hotspot()  # and for shared leases, in lines of their own
 
-    def new_try(self, hold: float = 0.0, limit: int | None | bool = False, *, waiting: bool = False) -> Try:
-        """A new acquire's state, with its owner id (a fair waiter's names this process's listener)."""
-        if waiting and self.queued and self.listener is not None:
+    def new_try(
+        self, hold: float = 0.0, limit: int | None | bool = False, *, waiting: bool = False, owner: str | None = None
+    ) -> Try:
+        """A new acquire's state, with its owner id (a fair waiter's names this process's listener;
+        ``owner``: the id an owner key stands for, ``_core.keyed_owner``)."""
+        if owner is None and waiting and self.queued and self.listener is not None:
             owner = self.listener.owner_id()  # hand-offs to it are notified on the listener's channel
-        else:
-            owner = secrets.token_hex(16)
-        return Try(owner, hold, limit)
+        return Try(secrets.token_hex(16) if owner is None else owner, hold, limit)
 
     # -- the ways to acquire -----------------------------------------------------------
     def once(self, name: str, attempt: Try, ttl: float, deadline: float) -> Granted | None:
@@ -229,6 +230,8 @@ class Acquirer:
         owner, verbs = attempt.owner, self.verbs
         listener, heartbeat = self.listener, self.heartbeat
         slot, ident = None, None
+        if listener is not None and not listener.reaches(owner):
+            listener = None  # an owner key's id: no hand-off is notified to it, so it looks by polling
         if listener is not None:
             slot, ident = listener.register(owner, min(deadline, verbs.deadline()))
         # The last attempt that queued us: its send time (monotonic) and the database's time

@@ -10,10 +10,12 @@ reaches into the other's private names.
 from __future__ import annotations
 
 import time
+import weakref
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Sequence
 
 from . import _core as core
+from ._acompat import AMutex
 from ._core import Extended
 from .errors import DatabaseUnavailable
 
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 class AsyncKeeper:
     """One Locker's side of its leases of one kind (``shared``): release, extend, renewal's batches."""
 
-    __slots__ = ("locker", "renewer", "shared", "_verbs", "_cleanup", "_acquirer")
+    __slots__ = ("locker", "renewer", "shared", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock")
 
     def __init__(
         self, locker: Any, verbs: AsyncVerbs, cleanup: AsyncCleanup, acquirer: AsyncAcquirer, *, shared: bool
@@ -40,6 +42,29 @@ class AsyncKeeper:
         self._verbs = verbs
         self._cleanup = cleanup
         self._acquirer = acquirer
+        # Leases entered again by their owner key: how many acquires each still has to be released for.
+        self._entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._entered_lock = AMutex()
+
+    def enter_again(self, lease: Any) -> bool:
+        """Re-entry by an owner key: count one more acquire of ``lease``, if its holder may still rely
+        on it (not ended, time left); False if not (then the database decides)."""
+        with self._entered_lock:
+            if lease.remaining() <= 0:
+                return False
+            self._entered[lease] = self._entered.get(lease, 1) + 1
+            return True
+
+    def leave_inner(self, lease: Any) -> bool:
+        """A release of ``lease``: True if it matches an inner acquire by its owner key (the lease
+        stays, nothing is sent); False if it is the outermost (or the lease has ended)."""
+        with self._entered_lock:
+            depth = self._entered.pop(lease, 1)
+            if depth <= 1 or lease.remaining() <= 0:
+                return False
+            if depth > 2:
+                self._entered[lease] = depth - 1
+            return True
 
     async def release(
         self,

@@ -83,6 +83,11 @@ class AsyncLease(LeaseView):
         return self._keeper.shared
 
     @property
+    def renewing(self) -> bool:
+        """True while renewal (``start_renewal``, ``renew=True``) keeps extending this lease."""
+        return self._renewal is not None and not self._state.ended()
+
+    @property
     def lost(self) -> AEvent:
         """Set once this holder learns that the lease is gone without its release."""
         return self._state.lost  # type: ignore[no-any-return]
@@ -111,6 +116,10 @@ class AsyncLease(LeaseView):
     async def release(self) -> bool:
         """End the lease (and its renewal). True if this call ended it, False if it was already released or taken over.
 
+        A lease acquired again with its owner key (re-entry) ends at the release
+        that matches its first acquire: each earlier release returns True and
+        ends nothing.
+
         With a ``min_hold`` that has not passed yet (by the database clock,
         counted from the grant), the lease is kept instead, under the same
         owner and token, and ends at grant + min_hold (``held_until``), sooner
@@ -119,6 +128,8 @@ class AsyncLease(LeaseView):
         Once the hold has passed, it ends now, as without one.
         """
         self._state.check_process(self.name, "release")
+        if self._keeper.leave_inner(self):
+            return True  # an owner key's inner acquire: the outermost release ends the lease
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
         try:

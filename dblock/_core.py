@@ -13,6 +13,7 @@ What a statement's rows mean is not decided here: each database's backend
 
 from __future__ import annotations
 
+import hashlib
 import math
 from datetime import datetime, timezone
 from typing import Any, NamedTuple, Sequence, TypeVar
@@ -280,3 +281,10 @@ class Granted(NamedTuple):
     token: int
     expires_at: datetime
     sent_at: float
+
+
+def keyed_owner(key: str) -> str:
+    """The owner id of a lease acquired with ``owner=key``: the same in every process and on every
+    machine (32 hex digits, as a random owner id), so a holder that asks again with its key is
+    recognised by the database's own owner check."""
+    return hashlib.sha256(b"dblock owner key\x00" + key.encode("utf-8")).hexdigest()[:32]

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, NamedTuple, ParamSpec, TypeVar
@@ -29,7 +30,7 @@ from . import backends, metrics
 from ._acquire import Acquirer, Try
 from ._group import LeaseGroup, release_all
 from ._cleanup import Cleanup
-from ._acompat import Lock, current_worker, to_thread
+from ._acompat import Lock, Mutex, current_worker, to_thread
 from ._driver import Driver
 from ._keeper import Keeper
 from ._lease import Lease, OnLost
@@ -43,8 +44,8 @@ from ._lease_state import HeldHere, LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import (
-    check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_renew, check_timeout,
-    check_ttl,
+    check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_owner, check_renew,
+    check_timeout, check_ttl,
 )
 from .errors import LockNotAcquired
 from .schema import DEFAULT_TABLE
@@ -168,6 +169,9 @@ class Locker:
         self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
         self._held_here = HeldHere()  # its exclusive leases, by the thread or task that acquired each
+        # Its leases acquired with an owner key, by (name, the key's owner id): a re-entry finds them.
+        self._keyed: weakref.WeakValueDictionary[tuple[str, str], Lease] = weakref.WeakValueDictionary()
+        self._keyed_lock = Mutex()
 
     # -- schema ------------------------------------------------------------
     def create_schema(self) -> Migrated:
@@ -207,6 +211,7 @@ class Locker:
         renew: bool = False,
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
+        owner: str | None = None,
     ) -> Lease | None:
         """One attempt: a lease, or None if another owner holds ``name``.
 
@@ -217,13 +222,20 @@ class Locker:
         instead of ending it (see the lease's ``release``), so that a job
         started on several machines runs once however far apart their clocks
         start it.
+
+        ``owner``: a key that names the holder (a job id, a worker's name), for
+        re-entry: a holder that asks again with its key, while its lease lasts,
+        gets that lease back at once, with its token, and the lease ends at the
+        outermost release; in another process (after a crash, say) the same key
+        takes up the lease it still holds (see "Re-entry" in the documentation).
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost)
         hold = check_min_hold(min_hold)
-        lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold))
-        if lease is not None and renew:
+        key = check_owner(owner)
+        lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
+        if lease is not None and renew and not lease.renewing:
             lease.start_renewal(on_lost)
         return lease
 
@@ -237,13 +249,14 @@ class Locker:
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
+        owner: str | None = None,
     ) -> Lease:
         """Wait up to ``timeout`` seconds (default: the Locker's, for ever) for ``name``.
 
         Raises LockNotAcquired when the time runs out. Between attempts it sleeps
         a jittered backoff in [d, 2d), d doubling from poll_min to poll_max, and
         never past the moment the current lease is known to end. ``renew``,
-        ``on_lost`` and ``min_hold`` as in ``try_acquire``. ``blocking=False``
+        ``on_lost``, ``min_hold`` and ``owner`` (re-entry) as in ``try_acquire``. ``blocking=False``
         (threading's and redis-py's word for it) tries once: LockNotAcquired at
         once if the name is held. On asyncio,
         cancelling the task leaves the queue, and releases a lease that was
@@ -255,8 +268,9 @@ class Locker:
         timeout = self.timeout if timeout is None else timeout
         check_renew(renew, on_lost)
         hold = check_min_hold(min_hold)
-        lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout))
-        if renew:
+        key = check_owner(owner)
+        lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
+        if renew and not lease.renewing:
             lease.start_renewal(on_lost)
         return lease
 
@@ -272,46 +286,77 @@ class Locker:
         return lease
 
     def _acquire(
-        self, name: str, ttl: float, hold: float, timeout: float, limit: int | None | bool = False
+        self,
+        name: str,
+        ttl: float,
+        hold: float,
+        timeout: float,
+        limit: int | None | bool = False,
+        *,
+        owner: str | None = None,
     ) -> Lease:
-        """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a semaphore's."""
+        """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a
+        semaphore's. ``owner``: an owner key (re-entry)."""
         self._ensure_schema()
+        keyed = None if owner is None else core.keyed_owner(owner)
+        if keyed is not None:
+            again = self._reenter(name, keyed)
+            if again is not None:
+                return again
+        elif limit is False and timeout > 0:
+            mine = self._held_here.holding(name, current_worker())
+            if mine is not None:
+                # It would wait for its own lease to end: say so now instead.
+                raise LockNotAcquired(
+                    name, timeout, f"this {WORKER} holds it already, through this Locker (token {mine.token}), "
+                    "and would wait for its own lease: use the lease you hold, release it first, or acquire with "
+                    "an owner key (owner=...) to re-enter",
+                )
         acquirer = self._acquirer
-        mine = self._held_here.holding(name, current_worker()) if limit is False and timeout > 0 else None
-        if mine is not None:
-            log.warning(
-                "waiting for %r, which this %s holds already through this Locker (token %s): dblock's locks "
-                "are not re-entrant, so the wait ends only when that lease is released or expires",
-                name, WORKER, mine.token,
-            )
-        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0)
-        try:
-            granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
-        except LockNotAcquired as exc:
-            if mine is None:
-                raise
-            raise LockNotAcquired(
-                name, timeout, f"this {WORKER} holds it already, through this Locker (token {mine.token}), "
-                "and dblock's locks are not re-entrant: use the lease you hold, or release it first",
-            ) from exc
-        return self._lease(name, attempt, ttl, granted)
+        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed)
+        granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        return self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
-    def _try(self, name: str, ttl: float, hold: float, limit: int | None | bool = False) -> Lease | None:
-        """One attempt: a lease, or None if ``name`` is held (``limit`` as in ``_acquire``)."""
+    def _try(
+        self, name: str, ttl: float, hold: float, limit: int | None | bool = False, *, owner: str | None = None
+    ) -> Lease | None:
+        """One attempt: a lease, or None if ``name`` is held (``limit`` and ``owner`` as in ``_acquire``)."""
         self._ensure_schema()
+        keyed = None if owner is None else core.keyed_owner(owner)
+        if keyed is not None:
+            again = self._reenter(name, keyed)
+            if again is not None:
+                return again
         acquirer = self._acquirer
-        attempt = acquirer.new_try(hold, limit)
+        attempt = acquirer.new_try(hold, limit, owner=keyed)
         deadline = self._deadline()
         granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
-        return None if granted is None else self._lease(name, attempt, ttl, granted)
+        return None if granted is None else self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
-    def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted) -> Lease:
+    def _reenter(self, name: str, keyed: str) -> Lease | None:
+        """The lease on ``name`` this Locker granted to the owner key with id ``keyed``, entered once
+        more, if the holder may still rely on it; else None (the database decides)."""
+        with self._keyed_lock:
+            lease = self._keyed.get((name, keyed))
+            if lease is None or not self.keeper.enter_again(lease):
+                return None
+        return lease
+
+    def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted, *, keyed: bool = False) -> Lease:
         shared = core.shared_kind(attempt.limit)
         lease = Lease(
             self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold,
             self.shared_keeper if shared else self.keeper,
         )
-        if not shared:
+        if keyed:
+            with self._keyed_lock:
+                # Another caller with the same key, here, may have been granted the same lease meanwhile
+                # (same owner, same token): it is one lease, entered once more.
+                known = self._keyed.get((name, attempt.owner))
+                if known is not None and known.token == lease.token and self.keeper.enter_again(known):
+                    return known
+                self._keyed[(name, attempt.owner)] = lease
+        elif not shared:
             self._held_here.add(name, lease, current_worker())
         return lease
 
@@ -332,6 +377,7 @@ class Locker:
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
+        owner: str | None = None,
     ) -> _LockContext:
         """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error);
         on asyncio the context manager is an asynchronous one.
@@ -339,7 +385,7 @@ class Locker:
         With ``renew=True`` the lease is extended while the block runs; check
         ``lease.lost`` (or pass ``on_lost``) in long blocks. With ``min_hold``
         the exit keeps the lease until that long after its grant (see ``try_acquire``).
-        ``blocking=False`` tries once, as ``acquire``.
+        ``blocking=False`` tries once, as ``acquire``; ``owner`` re-enters, as in ``try_acquire``.
         """
         check_name(name)
         check_renew(renew, on_lost)
@@ -351,6 +397,7 @@ class Locker:
             renew,
             on_lost,
             check_min_hold(min_hold),
+            owner=check_owner(owner),
         )
 
     # -- several names at once -----------------------------------------------
@@ -478,6 +525,7 @@ class Locker:
         renew: bool = False,
         on_lost: OnLost | None = None,
         min_hold: float | None = None,
+        owner: str | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """``@locker.synchronized("report-{customer_id}", ttl=60)``: each call runs holding the lock.
 
@@ -490,10 +538,14 @@ class Locker:
         the lease (its token fences writes). Coroutine functions acquire and
         release on a worker thread, so the event loop never waits for the database.
         ``min_hold`` as in ``try_acquire``: a job run at most once per period.
+        ``owner``, an owner key (a template like ``name``), makes a call
+        made inside another call with the same key re-enter its lease.
         """
         from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
-        return locked(self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold)
+        return locked(
+            self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold, owner=owner
+        )
 
     def locked(self, name: str, **options: Any) -> Any:
         """Deprecated: ``synchronized``, the decorator, by its old name. In threading, asyncio and
@@ -691,7 +743,7 @@ class Locker:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire", "_owner")
 
     def __init__(
         self,
@@ -703,8 +755,10 @@ class _LockContext:
         on_lost: OnLost | None,
         hold: float = 0.0,
         acquire: Callable[..., Any] | None = None,
+        *,
+        owner: str | None = None,
     ) -> None:
-        self._locker, self._name, self._ttl, self._timeout = locker, name, ttl, timeout
+        self._locker, self._name, self._ttl, self._timeout, self._owner = locker, name, ttl, timeout, owner
         self._renew, self._on_lost, self._hold = renew, on_lost, hold
         self._lease: Lease | None = None
         self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
@@ -717,7 +771,7 @@ class _LockContext:
         else:
             self._lease = self._locker.acquire(
                 self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
-                min_hold=self._hold,
+                min_hold=self._hold, owner=self._owner,
             )
         return self._lease
 

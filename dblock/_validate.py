@@ -93,6 +93,11 @@ def check_names(names: object) -> list[str]:
     return sorted(checked)
 
 
+def check_owner(owner: object) -> str | None:
+    """An owner key (``acquire(name, owner=key)``): None, or a str of 1 to 255 characters."""
+    return None if owner is None else check_text(owner, "owner key")
+
+
 def check_ttl(ttl: object, what: str = "ttl") -> float:
     """A span of seconds a lease lasts (or, ``what``, another span checked alike: ``older_than``)."""
     number = _number(ttl, what)

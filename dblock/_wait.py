@@ -86,6 +86,10 @@ class Listener:
         self._after_fork()
         return self._id + secrets.token_hex(ID_LENGTH // 2)
 
+    def reaches(self, owner: str) -> bool:
+        """Whether hand-offs to ``owner`` are notified on this listener's channel (it came from ``owner_id``)."""
+        return owner.startswith(self._id)
+
     def register(self, owner: str, deadline: float) -> tuple[Slot, tuple[int, str] | None]:
         """A mailbox for ``owner`` (from ``owner_id``), and the listening session to name
         in its queue entry.

@@ -21,7 +21,7 @@ import string
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, ParamSpec, TypeVar
 
-from ._validate import check_min_hold, check_name, check_renew, check_timeout, check_ttl
+from ._validate import check_min_hold, check_name, check_owner, check_renew, check_timeout, check_ttl
 from .lease import Lease
 from .locker import Locker
 from .renew import OnLost
@@ -52,6 +52,7 @@ def locked(
     renew: bool = False,
     on_lost: OnLost | None = None,
     min_hold: float | None = None,
+    owner: str | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """See ``Locker.synchronized``."""
     if not isinstance(name, str):
@@ -63,6 +64,11 @@ def locked(
     fields = _fields(name)
     if not fields:
         check_name(name)
+    if owner is not None and not isinstance(owner, str):
+        raise TypeError(f"owner key must be a str or None, not {type(owner).__name__}")
+    owner_fields = [] if owner is None else _fields(owner, "owner key")
+    if owner is not None and not owner_fields:
+        check_owner(owner)
     native = not isinstance(locker, Locker)  # an AsyncLocker: its own awaitable calls
     alocker: Any = locker
     slocker: Locker = locker  # type: ignore[assignment]  # used only when not native
@@ -73,25 +79,32 @@ def locked(
             raise TypeError(f"@synchronized cannot wrap the generator function {fn.__qualname__}: lock inside it instead")
         signature = inspect.signature(fn)
         extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-        missing = [f for f in fields if f not in signature.parameters]
-        if missing and extra is None:  # with **kwargs, a field may name one: checked at each call
-            raise ValueError(
-                f"lock name {name!r} names {', '.join(map(repr, missing))}, which {fn.__name__}() has no "
-                f"parameter for; its parameters: {', '.join(signature.parameters) or '(none)'}"
-            )
+        for what, template, used in (("lock name", name, fields), ("owner key", owner, owner_fields)):
+            missing = [f for f in used if f not in signature.parameters]
+            if missing and extra is None:  # with **kwargs, a field may name one: checked at each call
+                raise ValueError(
+                    f"{what} {template!r} names {', '.join(map(repr, missing))}, which {fn.__name__}() has no "
+                    f"parameter for; its parameters: {', '.join(signature.parameters) or '(none)'}"
+                )
 
-        def lock_name(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            if not fields:
-                return name
+        def fill(what: str, template: str, used: list[str], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
             bound = signature.bind(*args, **kwargs)  # a bad call raises the TypeError the function would
             bound.apply_defaults()
             values = dict(bound.arguments)
             if extra is not None:
                 values = {**values.pop(extra), **values}
-            absent = [f for f in fields if f not in values]
+            absent = [f for f in used if f not in values]
             if absent:
-                raise ValueError(f"lock name {name!r} needs the argument {absent[0]!r}, which this call of {fn.__name__}() lacks")
-            return check_name(name.format_map(values))
+                raise ValueError(f"{what} {template!r} needs the argument {absent[0]!r}, which this call of {fn.__name__}() lacks")
+            return template.format_map(values)
+
+        def lock_name(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+            return check_name(fill("lock name", name, fields, args, kwargs)) if fields else name
+
+        def owner_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+            if owner is None or not owner_fields:
+                return owner
+            return check_owner(fill("owner key", owner, owner_fields, args, kwargs))
 
         if native and not inspect.iscoroutinefunction(fn):
             raise TypeError(
@@ -102,7 +115,8 @@ def locked(
             @functools.wraps(fn)
             async def run_native(*args: Any, **kwargs: Any) -> Any:
                 async with alocker.lock(
-                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
+                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold,
+                    owner=owner_key(args, kwargs),
                 ) as lease:
                     mark = _current.set(lease)
                     try:
@@ -116,9 +130,9 @@ def locked(
 
             @functools.wraps(fn)
             async def run_async(*args: Any, **kwargs: Any) -> Any:
-                key = lock_name(args, kwargs)
+                key, holder = lock_name(args, kwargs), owner_key(args, kwargs)
                 lease = await _acquire_off_loop(lambda: slocker.acquire(
-                    key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
+                    key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold, owner=holder
                 ))
                 mark = _current.set(lease)
                 try:
@@ -136,7 +150,8 @@ def locked(
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
             with slocker.lock(
-                lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold
+                lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold,
+                owner=owner_key(args, kwargs),
             ) as lease:
                 mark = _current.set(lease)
                 try:
@@ -149,12 +164,13 @@ def locked(
     return decorate
 
 
-def _fields(template: str) -> list[str]:
-    """The argument names a lock-name template uses (``{customer_id}``, ``{order.id}``: customer_id, order)."""
+def _fields(template: str, what: str = "lock name") -> list[str]:
+    """The argument names a lock-name (or owner-key) template uses (``{customer_id}``, ``{order.id}``:
+    customer_id, order)."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
-        raise ValueError(f"lock name {template!r} is not a valid format template: {exc}") from None
+        raise ValueError(f"{what} {template!r} is not a valid format template: {exc}") from None
     names = []
     for _, field, _, _ in parsed:
         if field is None:
@@ -162,7 +178,7 @@ def _fields(template: str) -> list[str]:
         head = field.split(".", 1)[0].split("[", 1)[0]
         if not head or head.isdigit():
             raise ValueError(
-                f"lock name {template!r}: name the argument in each {{}} field (e.g. {{customer_id}}), not by position"
+                f"{what} {template!r}: name the argument in each {{}} field (e.g. {{customer_id}}), not by position"
             )
         names.append(head)
     return list(dict.fromkeys(names))

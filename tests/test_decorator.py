@@ -267,3 +267,41 @@ def test_a_cancelled_waiter_releases_the_lease_it_gets_afterwards(db: Db) -> Non
     wait_for(granted_and_released, what="the abandoned wait's lease to be granted and released")
     assert db.locker().try_acquire("cancelled", ttl=60) is not None
     assert ran == []
+
+
+def test_a_recursive_call_with_an_owner_key_re_enters_and_without_one_is_told_at_once(db: Db) -> None:
+    locker, other = db.locker(), db.locker()
+    tokens: list[int] = []
+
+    @locker.synchronized("tree-{root}", ttl=30, timeout=5, owner="walker-{root}")
+    def walk(root: str, depth: int) -> None:
+        lease = current_lease()
+        tokens.append(lease.token)
+        assert other.try_acquire(f"tree-{root}") is None
+        if depth:
+            walk(root, depth - 1)
+
+    walk("a", 3)
+    assert len(tokens) == 4 and len(set(tokens)) == 1  # one lease, entered four times
+    assert locker.leases() == []  # ended when the outermost call returned
+
+    @locker.synchronized("plain", ttl=30, timeout=30)
+    def again(depth: int) -> None:
+        if depth:
+            again(depth - 1)
+
+    started = time.monotonic()
+    with pytest.raises(LockNotAcquired, match="holds it already"):
+        again(1)
+    assert time.monotonic() - started < 10  # told at once, not after its 30 s timeout
+    assert locker.leases() == []
+
+
+def test_an_owner_key_template_is_checked_when_decorating(db: Db) -> None:
+    locker = db.locker()
+    with pytest.raises(ValueError, match="owner key 'w-{missing}' names 'missing'"):
+        locker.synchronized("job", owner="w-{missing}")(lambda x: x)
+    with pytest.raises(TypeError, match="owner key must be a str"):
+        locker.synchronized("job", owner=7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="owner key must not be empty"):
+        locker.synchronized("job", owner="")

@@ -45,6 +45,7 @@ SOURCES = [
     ("tests/test_renew_faces_async.py", "tests/test_renew_faces.py"),
     ("tests/test_waiting_faces_async.py", "tests/test_waiting_faces.py"),
     ("tests/test_groups_faces_async.py", "tests/test_groups_faces.py"),
+    ("tests/test_reentry_faces_async.py", "tests/test_reentry_faces.py"),
 ]
 
 RENAMES = {
@@ -99,6 +100,7 @@ RENAMES = {
     "__aenter__": "__enter__",
     "__aexit__": "__exit__",
     "test_faces_async": "test_faces",
+    "test_waiting_faces_async": "test_waiting_faces",
 }
 
 _ASYNC_BLOCK = re.compile(r"^(?P<indent>[ ]*)if True:  # ASYNC\n", re.M)
