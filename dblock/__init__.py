@@ -22,14 +22,21 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .aio import AsyncLease, AsyncLeaseGroup, AsyncLocker, AsyncShared
+    from ._election import Election, Leadership
+    from ._lease_state import Leader
+    from .aio import AsyncElection, AsyncLeadership, AsyncLease, AsyncLeaseGroup, AsyncLocker, AsyncShared
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
     from .lease import Lease, LeaseGroup, LeaseInfo
     from .locker import Locker, Shared
 
 _LAZY = {
+    "AsyncElection": ".aio",
+    "AsyncLeadership": ".aio",
     "AsyncLease": ".aio",
+    "Election": "._election",
+    "Leader": "._lease_state",
+    "Leadership": "._election",
     "AsyncLeaseGroup": ".aio",
     "AsyncLocker": ".aio",
     "AsyncShared": ".aio",
@@ -49,13 +56,18 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncElection",
+    "AsyncLeadership",
     "AsyncLease",
     "AsyncLeaseGroup",
     "AsyncLocker",
     "AsyncShared",
     "DBLockError",
     "DatabaseUnavailable",
+    "Election",
     "FencedOut",
+    "Leader",
+    "Leadership",
     "Lease",
     "LeaseGroup",
     "LeaseInfo",

@@ -53,10 +53,13 @@ class Try:
     lease, an int a semaphore's.
     """
 
-    __slots__ = ("owner", "hold", "limit", "sent", "unsure")
+    __slots__ = ("owner", "hold", "limit", "sent", "unsure", "label")
 
-    def __init__(self, owner: str, hold: float = 0.0, limit: int | None | bool = False) -> None:
+    def __init__(
+        self, owner: str, hold: float = 0.0, limit: int | None | bool = False, label: str | None = None
+    ) -> None:
         self.owner = owner
+        self.label = label  # written with the grant (an election's value); None: the Locker's
         self.hold = hold  # the min_hold of the lease it gets
         self.limit = limit
         self.sent = False  # a statement went out: it may have queued us, or granted us the lease
@@ -88,13 +91,19 @@ class AsyncAcquirer:
         self.shared_hot = AsyncHotspot()  # and for shared leases, in lines of their own
 
     def new_try(
-        self, hold: float = 0.0, limit: int | None | bool = False, *, waiting: bool = False, owner: str | None = None
+        self,
+        hold: float = 0.0,
+        limit: int | None | bool = False,
+        *,
+        waiting: bool = False,
+        owner: str | None = None,
+        label: str | None = None,
     ) -> Try:
         """A new acquire's state, with its owner id (a fair waiter's names this process's listener;
         ``owner``: the id an owner key stands for, ``_core.keyed_owner``)."""
         if owner is None and waiting and self.queued and self.listener is not None:
             owner = self.listener.owner_id()  # hand-offs to it are notified on the listener's channel
-        return Try(secrets.token_hex(16) if owner is None else owner, hold, limit)
+        return Try(secrets.token_hex(16) if owner is None else owner, hold, limit, label)
 
     # -- the ways to acquire -----------------------------------------------------------
     async def once(self, name: str, attempt: Try, ttl: float, deadline: float) -> Granted | None:
@@ -172,7 +181,7 @@ class AsyncAcquirer:
         """One attempt: the lease, or None and the seconds until the holder's lease ends."""
         attempt.sent = True
         outcome, free, sent_at = await self.verbs.acquire(
-            name, attempt.owner, ttl, attempt.limit, deadline, waiting=waiting
+            name, attempt.owner, ttl, attempt.limit, deadline, waiting=waiting, label=attempt.label
         )
         if not isinstance(outcome, Grant):
             return None, outcome.wait
@@ -263,7 +272,8 @@ class AsyncAcquirer:
                 attempt.sent = True
                 try:
                     outcome, sent_at = await verbs.enqueue(
-                        name, owner, ttl, attempt.limit, ident, core.entry_lifetime(left), seq, verbs.bound(deadline)
+                        name, owner, ttl, attempt.limit, ident, core.entry_lifetime(left), seq, verbs.bound(deadline),
+                        label=attempt.label,
                     )
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except OutOfTime:  # nothing was sent: out of time, not an outage

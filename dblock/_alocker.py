@@ -26,6 +26,7 @@ from sqlalchemy.engine import URL, Engine
 from . import _core as core
 from . import backends, metrics
 from ._aacquire import AsyncAcquirer, Try
+from ._aelection import AsyncElection
 from ._agroup import AsyncLeaseGroup, release_all
 from ._acleanup import AsyncCleanup
 from ._acompat import ALock, AMutex, acurrent_worker, ato_thread
@@ -211,6 +212,8 @@ class AsyncLocker:
         ttl: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         owner: str | None = None,
     ) -> AsyncLease | None:
@@ -232,12 +235,12 @@ class AsyncLocker:
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         key = check_owner(owner)
         lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
         if lease is not None and renew and not lease.renewing:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     async def acquire(
@@ -248,6 +251,8 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
@@ -267,12 +272,12 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         key = check_owner(owner)
         lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
         if renew and not lease.renewing:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     async def _measured(self, name: str, acquire: Callable[[], Any]) -> Any:
@@ -295,9 +300,11 @@ class AsyncLocker:
         limit: int | None | bool = False,
         *,
         owner: str | None = None,
+        label: str | None = None,
     ) -> AsyncLease:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a
-        semaphore's. ``owner``: an owner key (re-entry)."""
+        semaphore's. ``owner``: an owner key (re-entry); ``label``: written with the grant (an
+        election's value) instead of the Locker's."""
         await self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
@@ -306,15 +313,21 @@ class AsyncLocker:
                 return again
         elif limit is False and timeout > 0:
             mine = self._held_here.holding(name, acurrent_worker())
-            if mine is not None:
-                # It would wait for its own lease to end: say so now instead.
+            if mine is not None and (math.isinf(timeout) or mine.remaining() >= timeout):
+                # It could only wait out its own lease, to no end: say so now instead.
                 raise LockNotAcquired(
                     name, timeout, f"this {WORKER} holds it already, through this AsyncLocker (token {mine.token}), "
                     "and would wait for its own lease: use the lease you hold, release it first, or acquire with "
                     "an owner key (owner=...) to re-enter",
                 )
+            if mine is not None:
+                log.warning(
+                    "waiting for %r, which this %s holds already through this AsyncLocker (token %s): the wait "
+                    "takes it over when that lease ends, in %.3f s (to re-enter it instead, acquire with an owner key)",
+                    name, WORKER, mine.token, mine.remaining(),
+                )
         acquirer = self._acquirer
-        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed)
+        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed, label=label)
         granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
         return self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
@@ -376,6 +389,8 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
@@ -389,14 +404,13 @@ class AsyncLocker:
         ``blocking=False`` tries once, as ``acquire``; ``owner`` re-enters, as in ``try_acquire``.
         """
         check_name(name)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         return _AsyncLockContext(
             self,
             name,
             None if ttl is None else check_ttl(ttl),
             check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
-            renew,
-            on_lost,
+            dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin),
             check_min_hold(min_hold),
             owner=check_owner(owner),
         )
@@ -409,6 +423,8 @@ class AsyncLocker:
         ttl: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
     ) -> AsyncLeaseGroup | None:
         """One attempt at every name: all of their leases, as one ``AsyncLeaseGroup``, or None
@@ -421,7 +437,7 @@ class AsyncLocker:
         """
         ordered = check_names(names)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         held: list[AsyncLease] = []
         try:
@@ -432,7 +448,7 @@ class AsyncLocker:
                     return None
                 held.append(lease)
                 if renew:
-                    lease.start_renewal(on_lost)
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         except BaseException:
             await self._give_back(held)
             raise
@@ -446,6 +462,8 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
     ) -> AsyncLeaseGroup:
@@ -465,7 +483,7 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         deadline = time.monotonic() + timeout
         held: list[AsyncLease] = []
@@ -475,7 +493,7 @@ class AsyncLocker:
                 lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, left))
                 held.append(lease)
                 if renew:
-                    lease.start_renewal(on_lost)
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         except LockNotAcquired as exc:
             await self._give_back(held)
             taken = f"; the {len(held)} taken before it were released" if held else ""
@@ -495,17 +513,20 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
     ) -> _AsyncGroupContext:
         """``with locker.lock_all(names) as group:`` acquires every name as ``acquire_all`` does, and
         releases them all on exit (also on error; asynchronous on asyncio)."""
         ordered = check_names(names)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         options: dict[str, Any] = dict(
             ttl=None if ttl is None else check_ttl(ttl),
             timeout=check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
-            renew=renew, on_lost=on_lost, min_hold=check_min_hold(min_hold),
+            renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin,
+            min_hold=check_min_hold(min_hold),
         )
         return _AsyncGroupContext(self, ordered, options)
 
@@ -527,6 +548,8 @@ class AsyncLocker:
             timeout: float | None = None,
             renew: bool = False,
             on_lost: AsyncOnLost | None = None,
+            on_expiring: AsyncOnLost | None = None,
+            expiring_margin: float | None = None,
             min_hold: float | None = None,
             owner: str | None = None,
         ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
@@ -535,7 +558,8 @@ class AsyncLocker:
             from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
             options: dict[str, Any] = dict(
-                ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold, owner=owner
+                ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
+                expiring_margin=expiring_margin, min_hold=min_hold, owner=owner,
             )
             return locked(self, name, **options)
 
@@ -549,6 +573,8 @@ class AsyncLocker:
             timeout: float | None = None,
             renew: bool = False,
             on_lost: AsyncOnLost | None = None,
+            on_expiring: AsyncOnLost | None = None,
+            expiring_margin: float | None = None,
             min_hold: float | None = None,
             owner: str | None = None,
         ) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -569,7 +595,8 @@ class AsyncLocker:
             from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
             return locked(
-                self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold, owner=owner
+                self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
+                expiring_margin=expiring_margin, min_hold=min_hold, owner=owner,
             )
 
     def locked(self, name: str, **options: Any) -> Any:
@@ -582,6 +609,49 @@ class AsyncLocker:
             stacklevel=2,
         )
         return self.synchronized(name, **options)
+
+    # -- leader election ----------------------------------------------------
+    def election(self, name: str) -> AsyncElection:
+        """An election on ``name``: candidates ``campaign``, one leads at a time, and its term is its
+        lease's fencing token (see "Leader election" in the documentation). The election is the
+        exclusive lock of ``name``: don't use the name as a plain lock too."""
+        check_name(name)
+        watch = self._watch if self.notify and self.backend.caps.notify else None
+        channel = core.election_channel(self.table, self.schema, name)
+        return AsyncElection(self, name, self._campaign, self._relabel, self._label, watch, channel)
+
+    async def _campaign(
+        self,
+        name: str,
+        value: str,
+        *,
+        ttl: float | None,
+        timeout: float | None,
+        on_lost: AsyncOnLost | None,
+        on_expiring: AsyncOnLost | None,
+        expiring_margin: float | None,
+    ) -> AsyncLease:
+        """A candidate's wait: a waiting acquire whose grant carries ``value`` as its label, renewed."""
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(True, on_lost, on_expiring, expiring_margin)
+        lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, 0.0, timeout, label=value))
+        lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
+        return lease
+
+    async def _relabel(self, lease: AsyncLease, value: str, channel: str) -> datetime | None:
+        return await self._verbs.relabel(lease.name, lease.owner, lease.token, value, channel)
+
+    async def _watch(self, channel: str, deadline: float) -> Any:
+        """A connection of its own that hears ``channel``'s notifications (an election's observer)."""
+        conn = await self._driver.connect(deadline)
+        try:
+            for statement in self.backend.watch(channel):
+                await conn.execute(statement)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
     # -- shared leases -----------------------------------------------------
     def semaphore(self, name: str, limit: int) -> AsyncShared:
@@ -619,9 +689,13 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _AsyncLockContext:
         """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
-        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        return self.readers(name).lock(
+            ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
+        )
 
     def write_lock(
         self,
@@ -631,18 +705,30 @@ class AsyncLocker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _AsyncLockContext:
         """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
-        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        return self.lock(
+            name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
+            expiring_margin=expiring_margin,
+        )
 
     async def _share_try(
-        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: AsyncOnLost | None
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        renew: bool,
+        on_lost: AsyncOnLost | None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> AsyncLease | None:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = await self._try(name, ttl, 0.0, limit)
         if lease is not None and renew:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     async def _share_acquire(
@@ -653,13 +739,15 @@ class AsyncLocker:
         timeout: float | None,
         renew: bool,
         on_lost: AsyncOnLost | None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> AsyncLease:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = await self._acquire(name, ttl, 0.0, timeout, limit)
         if renew:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     # -- helpers -----------------------------------------------------------
@@ -768,7 +856,7 @@ class AsyncLocker:
 
 
 class _AsyncLockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire", "_owner")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renewal", "_hold", "_lease", "_acquire", "_owner")
 
     def __init__(
         self,
@@ -776,27 +864,24 @@ class _AsyncLockContext:
         name: str,
         ttl: float | None,
         timeout: float | None,
-        renew: bool,
-        on_lost: AsyncOnLost | None,
+        renewal: dict[str, Any],
         hold: float = 0.0,
         acquire: Callable[..., Any] | None = None,
         *,
         owner: str | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout, self._owner = locker, name, ttl, timeout, owner
-        self._renew, self._on_lost, self._hold = renew, on_lost, hold
+        self._renewal, self._hold = renewal, hold  # renew, on_lost, on_expiring, expiring_margin
         self._lease: AsyncLease | None = None
         self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
 
     async def __aenter__(self) -> AsyncLease:
         if self._acquire is not None:
-            self._lease = await self._acquire(
-                ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
-            )
+            self._lease = await self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
         else:
             self._lease = await self._locker.acquire(
-                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
-                min_hold=self._hold, owner=self._owner,
+                self._name, ttl=self._ttl, timeout=self._timeout, min_hold=self._hold, owner=self._owner,
+                **self._renewal,
             )
         return self._lease
 
@@ -851,11 +936,17 @@ class AsyncShared:
         self._measured, self._try, self._acquire = measured, try_, acquire
 
     async def try_acquire(
-        self, *, ttl: float | None = None, renew: bool = False, on_lost: AsyncOnLost | None = None
+        self,
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> AsyncLease | None:
         """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
         lease: AsyncLease | None = await self._measured(
-            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost)
+            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost, on_expiring, expiring_margin)
         )
         return lease
 
@@ -866,6 +957,8 @@ class AsyncShared:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> AsyncLease:
         """Wait up to ``timeout`` seconds; LockNotAcquired after.
 
@@ -875,7 +968,8 @@ class AsyncShared:
         the task leaves the queue and releases a lease granted meanwhile.
         """
         lease: AsyncLease = await self._measured(
-            self.name, lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+            self.name,
+            lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
         )
         return lease
 
@@ -886,16 +980,18 @@ class AsyncShared:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _AsyncLockContext:
         """``with sem.lock() as lease:`` acquires, and releases on exit (also on error; asynchronous on asyncio)."""
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
+        renewal = dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return _AsyncLockContext(
             self.locker,
             self.name,
             None if ttl is None else check_ttl(ttl),
             None if timeout is None else check_timeout(timeout),
-            renew,
-            on_lost,
+            renewal,
             0.0,
             acquire=self.acquire,
         )

@@ -90,9 +90,16 @@ class ExtendMany(Protocol):
 class _Entry:
     """A renewing lease's place in the schedule."""
 
-    __slots__ = ("ref", "state", "shared", "wake", "busy", "done", "on_lost")
+    __slots__ = ("ref", "state", "shared", "wake", "busy", "done", "on_lost", "on_expiring", "margin", "warned")
 
-    def __init__(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> None:
+    def __init__(
+        self,
+        lease: AsyncLease,
+        state: LeaseState,
+        on_lost: AsyncOnLost | None,
+        on_expiring: AsyncOnLost | None = None,
+        margin: float | None = None,
+    ) -> None:
         self.ref = weakref.ref(lease)
         self.state = state  # the lease's trust, which renewal reads and updates (it refers to no AsyncLease)
         self.shared = lease.shared  # which heap, and which statement extends it
@@ -100,6 +107,15 @@ class _Entry:
         self.busy = False  # an extend of it is in flight
         self.done = False  # left the schedule
         self.on_lost = on_lost
+        self.on_expiring = on_expiring  # called once its trust left falls to the margin unextended
+        self.margin = margin  # seconds of trust left that warn; None: a third of the ttl
+        self.warned = False  # on_expiring called, and the trust not restored since
+
+    def warn_at(self) -> float | None:
+        """When (monotonic) its trust falls to the warning margin, if a warning is still to come."""
+        if self.on_expiring is None or self.warned:
+            return None
+        return self.state.trusted_until - core.expiring_margin(self.margin, self.state.ttl)
 
 
 Renewal = _Entry  # a renewing lease's place in the schedule, as the AsyncLease holds it
@@ -138,11 +154,18 @@ class AsyncRenewer:
         self._pid = os.getpid()
 
     # -- the lease's side ----------------------------------------------------
-    def add(self, lease: AsyncLease, state: LeaseState, on_lost: AsyncOnLost | None) -> Renewal:
+    def add(
+        self,
+        lease: AsyncLease,
+        state: LeaseState,
+        on_lost: AsyncOnLost | None,
+        on_expiring: AsyncOnLost | None = None,
+        margin: float | None = None,
+    ) -> Renewal:
         if self._pid != os.getpid():
             # Forked: the parent's threads are not here, and its leases are not ours to renew.
             self._reset()
-        entry = _Entry(lease, state, on_lost)
+        entry = _Entry(lease, state, on_lost, on_expiring, margin)
         with self._lock:
             self._live += 1
             self._push(entry, time.monotonic() + _until_due(lease))
@@ -222,6 +245,9 @@ class AsyncRenewer:
 
     # -- bookkeeping, under the lock ---------------------------------------------
     def _push(self, entry: _Entry, when: float) -> None:
+        warn = entry.warn_at()
+        if warn is not None:
+            when = min(when, warn)  # a turn when its trust falls to the margin: time to warn
         entry.wake = when
         heapq.heappush(self._heaps[entry.shared], (when, next(self._count), entry))
 
@@ -245,21 +271,23 @@ class AsyncRenewer:
     # -- the scheduler -------------------------------------------------------------
     async def _schedule(self, era: object) -> None:
         lost: list[tuple[_Entry, str]] = []
+        expiring: list[_Entry] = []
         while True:
             self._report(lost)
+            self._warn(expiring)
             self._wake.clear()  # whatever changes the schedule from here on wakes the waits below
             with self._lock:
                 if self._era is not era:
                     return  # closed, or forked
                 now = time.monotonic()
-                lost = []
+                lost, expiring = [], []
                 for heap in self._heaps:
-                    batch = self._take(heap, now, lost)
+                    batch = self._take(heap, now, lost, expiring)
                     if batch:
                         self._queue(batch, era)
                 live = self._live
                 tops = [heap[0][0] for heap in self._heaps if heap]
-            if lost:
+            if lost or expiring:
                 continue  # report them, and look again: reporting took time
             if live:
                 await aevent_wait(self._wake, min(tops) - now if tops else None)
@@ -274,8 +302,15 @@ class AsyncRenewer:
                     self._scheduler = None
                     return
 
-    def _take(self, heap: list[tuple[float, int, _Entry]], now: float, lost: list[tuple[_Entry, str]]) -> list[_Entry]:
-        """The entries of one kind (``heap``) to extend now; those whose trust ran out go to ``lost``."""
+    def _take(
+        self,
+        heap: list[tuple[float, int, _Entry]],
+        now: float,
+        lost: list[tuple[_Entry, str]],
+        expiring: list[_Entry],
+    ) -> list[_Entry]:
+        """The entries of one kind (``heap``) to extend now; those whose trust ran out go to ``lost``,
+        those whose trust fell to their warning margin unextended to ``expiring``."""
         batch: list[_Entry] = []
         while heap and len(batch) < BATCH_MAX:
             when, _, entry = heap[0]
@@ -295,6 +330,12 @@ class AsyncRenewer:
                 lost.append((entry, "the database did not answer before its trusted time ran out" if entry.busy
                              else "its trusted time ran out before it could be extended"))
             else:
+                warn = entry.warn_at()
+                if warn is not None and warn <= now:
+                    entry.warned = True
+                    expiring.append(entry)
+                elif entry.warned and left > core.expiring_margin(entry.margin, entry.state.ttl):
+                    entry.warned = False  # extended since: a new shortfall warns again
                 # Extend it now (unless it is in flight already), and look again when its trust would end.
                 if not entry.busy:
                     entry.busy = True
@@ -404,7 +445,19 @@ class AsyncRenewer:
             log.debug("extended %d lease(s)", sum(e is not None for e in expiries))
         return out
 
-    # -- losses ------------------------------------------------------------------------
+    # -- warnings and losses ----------------------------------------------------------------
+    def _warn(self, expiring: list[_Entry]) -> None:
+        """Run each lease's on_expiring on a worker of its own (outside the lock)."""
+        for entry in expiring:
+            lease = entry.ref()
+            if lease is None or entry.state.ended() or entry.on_expiring is None:
+                continue
+            log.warning(
+                "the lease on %r (token %s) has %.3f s of trust left and could not be extended yet",
+                lease.name, lease.token, lease.remaining(),
+            )
+            self._start(partial(_call_back, entry.on_expiring, lease, "on_expiring"), f"dblock-on-expiring {lease.name!r}")
+
     def _report(self, lost: list[tuple[_Entry, str]]) -> None:
         """Mark the leases lost, and run each one's on_lost on a worker of its own (outside the lock)."""
         for entry, why in lost:
@@ -415,7 +468,7 @@ class AsyncRenewer:
             entry.state.lose()
             log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
             if entry.on_lost is not None:
-                self._start(partial(_call_on_lost, entry.on_lost, lease), f"dblock-on-lost {lease.name!r}")
+                self._start(partial(_call_back, entry.on_lost, lease, "on_lost"), f"dblock-on-lost {lease.name!r}")
 
 
 def _until_due(lease: AsyncLease) -> float:
@@ -423,16 +476,16 @@ def _until_due(lease: AsyncLease) -> float:
     return core.until_due(lease.ttl, lease.remaining())
 
 
-async def _call_on_lost(on_lost: AsyncOnLost, lease: AsyncLease) -> None:
+async def _call_back(callback: AsyncOnLost, lease: AsyncLease, what: str) -> None:
     try:
         if True:  # ASYNC
-            result = on_lost(lease)
+            result = callback(lease)
             if inspect.isawaitable(result):
                 await result
         else:
-            on_lost(lease)
+            callback(lease)
     except Exception:  # the callback is the application's; report, don't die silently
-        log.exception("on_lost callback for %r raised", lease.name)
+        log.exception("%s callback for %r raised", what, lease.name)
 
 
 if True:  # ASYNC

@@ -223,6 +223,13 @@ def until_due(ttl: float, remaining: float) -> float:
     return min(ttl / 3, max(ttl / 30, remaining - 2 * ttl / 3))
 
 
+def expiring_margin(margin: float | None, ttl: float) -> float:
+    """Seconds of trust left at which renewal warns (``on_expiring``) that it has not extended a
+    lease yet: ``margin`` (None: a third of the ttl), never more than half the ttl, so a lease
+    renewal extends on time is never warned about."""
+    return min(ttl / 3 if margin is None else margin, ttl / 2)
+
+
 def retry_after(ttl: float, left: float) -> float:
     """After a failed extend: seconds until the next try, while ``left`` s of trust remain."""
     return min(ttl / 3 / RETRIES_PER_INTERVAL, left)
@@ -288,3 +295,10 @@ def keyed_owner(key: str) -> str:
     machine (32 hex digits, as a random owner id), so a holder that asks again with its key is
     recognised by the database's own owner check."""
     return hashlib.sha256(b"dblock owner key\x00" + key.encode("utf-8")).hexdigest()[:32]
+
+
+def election_channel(table: str, schema: str | None, name: str) -> str:
+    """The NOTIFY channel of an election (where the database can notify): one per table and name,
+    a plain identifier whatever the name holds."""
+    key = f"{schema or ''}.{table}\x00{name}".encode("utf-8")
+    return "dblock_e_" + hashlib.sha256(key).hexdigest()[:32]

@@ -17,7 +17,7 @@ from . import metrics
 from ._acompat import Event
 from ._core import trusted_until
 from ._lease_state import LeaseState, LeaseView
-from ._validate import check_ttl
+from ._validate import check_callbacks, check_ttl
 from .errors import LeaseLost
 
 if TYPE_CHECKING:
@@ -142,7 +142,13 @@ class Lease(LeaseView):
             if self._renewal is not None:
                 self._keeper.renewer.drop(self._renewal)
 
-    def start_renewal(self, on_lost: OnLost | None = None) -> None:
+    def start_renewal(
+        self,
+        on_lost: OnLost | None = None,
+        *,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
+    ) -> None:
         """Extend this lease every ttl/3 until it is released or lost.
 
         The Locker's renewal does it (one scheduler for all its leases, sending
@@ -153,14 +159,20 @@ class Lease(LeaseView):
         returns 0 and ``on_lost(lease)`` runs on its own (a thread; on asyncio
         a task, and it may be an async callable). Stop your work there: the
         lock no longer protects it.
+
+        ``on_expiring(lease)`` is the warning before that: it runs (once, on its
+        own worker, as ``on_lost``) when renewal has not extended the lease yet
+        and only ``expiring_margin`` seconds of trust are left (default: a third
+        of the ttl; never more than half of it), so the work can wind down before
+        the lease is gone. It runs again after a later shortfall, once an extend
+        has restored the lease's trust in between.
         """
-        if on_lost is not None and not callable(on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
+        margin = check_callbacks(on_lost, on_expiring, expiring_margin)
         if self._state.ended():
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to renew")
         if self._renewal is not None:
             raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
-        self._renewal = self._keeper.renewer.add(self, self._state, on_lost)
+        self._renewal = self._keeper.renewer.add(self, self._state, on_lost, on_expiring, margin)
 
     def _lose(self) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal

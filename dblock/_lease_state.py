@@ -143,6 +143,16 @@ class LeaseView:
         return f"remaining={self.remaining():.3f}s"
 
 
+class Leader(NamedTuple):
+    """Who leads an election (``election.leader()``, ``observe()``): the value it proclaims,
+    its term (its lease's fencing token, larger than every earlier leader's) and since when
+    it leads (database clock)."""
+
+    value: str
+    term: int
+    since: datetime
+
+
 class HeldHere:
     """The exclusive leases a Locker granted, by name, each with the thread or task that acquired it,
     so that a wait for a name its own thread (or task) still holds can say so: dblock's locks are

@@ -28,6 +28,7 @@ from sqlalchemy.engine import URL, Engine
 from . import _core as core
 from . import backends, metrics
 from ._acquire import Acquirer, Try
+from ._election import Election
 from ._group import LeaseGroup, release_all
 from ._cleanup import Cleanup
 from ._acompat import Lock, Mutex, current_worker, to_thread
@@ -210,6 +211,8 @@ class Locker:
         ttl: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         owner: str | None = None,
     ) -> Lease | None:
@@ -231,12 +234,12 @@ class Locker:
         """
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         key = check_owner(owner)
         lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
         if lease is not None and renew and not lease.renewing:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     def acquire(
@@ -247,6 +250,8 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
@@ -266,12 +271,12 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         key = check_owner(owner)
         lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
         if renew and not lease.renewing:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     def _measured(self, name: str, acquire: Callable[[], Any]) -> Any:
@@ -294,9 +299,11 @@ class Locker:
         limit: int | None | bool = False,
         *,
         owner: str | None = None,
+        label: str | None = None,
     ) -> Lease:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a
-        semaphore's. ``owner``: an owner key (re-entry)."""
+        semaphore's. ``owner``: an owner key (re-entry); ``label``: written with the grant (an
+        election's value) instead of the Locker's."""
         self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
@@ -305,15 +312,21 @@ class Locker:
                 return again
         elif limit is False and timeout > 0:
             mine = self._held_here.holding(name, current_worker())
-            if mine is not None:
-                # It would wait for its own lease to end: say so now instead.
+            if mine is not None and (math.isinf(timeout) or mine.remaining() >= timeout):
+                # It could only wait out its own lease, to no end: say so now instead.
                 raise LockNotAcquired(
                     name, timeout, f"this {WORKER} holds it already, through this Locker (token {mine.token}), "
                     "and would wait for its own lease: use the lease you hold, release it first, or acquire with "
                     "an owner key (owner=...) to re-enter",
                 )
+            if mine is not None:
+                log.warning(
+                    "waiting for %r, which this %s holds already through this Locker (token %s): the wait "
+                    "takes it over when that lease ends, in %.3f s (to re-enter it instead, acquire with an owner key)",
+                    name, WORKER, mine.token, mine.remaining(),
+                )
         acquirer = self._acquirer
-        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed)
+        attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed, label=label)
         granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
         return self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
@@ -375,6 +388,8 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
@@ -388,14 +403,13 @@ class Locker:
         ``blocking=False`` tries once, as ``acquire``; ``owner`` re-enters, as in ``try_acquire``.
         """
         check_name(name)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         return _LockContext(
             self,
             name,
             None if ttl is None else check_ttl(ttl),
             check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
-            renew,
-            on_lost,
+            dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin),
             check_min_hold(min_hold),
             owner=check_owner(owner),
         )
@@ -408,6 +422,8 @@ class Locker:
         ttl: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
     ) -> LeaseGroup | None:
         """One attempt at every name: all of their leases, as one ``LeaseGroup``, or None
@@ -420,7 +436,7 @@ class Locker:
         """
         ordered = check_names(names)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         held: list[Lease] = []
         try:
@@ -431,7 +447,7 @@ class Locker:
                     return None
                 held.append(lease)
                 if renew:
-                    lease.start_renewal(on_lost)
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         except BaseException:
             self._give_back(held)
             raise
@@ -445,6 +461,8 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
     ) -> LeaseGroup:
@@ -464,7 +482,7 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         deadline = time.monotonic() + timeout
         held: list[Lease] = []
@@ -474,7 +492,7 @@ class Locker:
                 lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, left))
                 held.append(lease)
                 if renew:
-                    lease.start_renewal(on_lost)
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         except LockNotAcquired as exc:
             self._give_back(held)
             taken = f"; the {len(held)} taken before it were released" if held else ""
@@ -494,17 +512,20 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         blocking: bool = True,
     ) -> _GroupContext:
         """``with locker.lock_all(names) as group:`` acquires every name as ``acquire_all`` does, and
         releases them all on exit (also on error; asynchronous on asyncio)."""
         ordered = check_names(names)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         options: dict[str, Any] = dict(
             ttl=None if ttl is None else check_ttl(ttl),
             timeout=check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
-            renew=renew, on_lost=on_lost, min_hold=check_min_hold(min_hold),
+            renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin,
+            min_hold=check_min_hold(min_hold),
         )
         return _GroupContext(self, ordered, options)
 
@@ -524,6 +545,8 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
         min_hold: float | None = None,
         owner: str | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -544,7 +567,8 @@ class Locker:
         from .decorator import locked  # noqa: PLC0415 - loaded with the first decorated function
 
         return locked(
-            self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=min_hold, owner=owner
+            self, name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
+            expiring_margin=expiring_margin, min_hold=min_hold, owner=owner,
         )
 
     def locked(self, name: str, **options: Any) -> Any:
@@ -557,6 +581,49 @@ class Locker:
             stacklevel=2,
         )
         return self.synchronized(name, **options)
+
+    # -- leader election ----------------------------------------------------
+    def election(self, name: str) -> Election:
+        """An election on ``name``: candidates ``campaign``, one leads at a time, and its term is its
+        lease's fencing token (see "Leader election" in the documentation). The election is the
+        exclusive lock of ``name``: don't use the name as a plain lock too."""
+        check_name(name)
+        watch = self._watch if self.notify and self.backend.caps.notify else None
+        channel = core.election_channel(self.table, self.schema, name)
+        return Election(self, name, self._campaign, self._relabel, self._label, watch, channel)
+
+    def _campaign(
+        self,
+        name: str,
+        value: str,
+        *,
+        ttl: float | None,
+        timeout: float | None,
+        on_lost: OnLost | None,
+        on_expiring: OnLost | None,
+        expiring_margin: float | None,
+    ) -> Lease:
+        """A candidate's wait: a waiting acquire whose grant carries ``value`` as its label, renewed."""
+        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        check_renew(True, on_lost, on_expiring, expiring_margin)
+        lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, 0.0, timeout, label=value))
+        lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
+        return lease
+
+    def _relabel(self, lease: Lease, value: str, channel: str) -> datetime | None:
+        return self._verbs.relabel(lease.name, lease.owner, lease.token, value, channel)
+
+    def _watch(self, channel: str, deadline: float) -> Any:
+        """A connection of its own that hears ``channel``'s notifications (an election's observer)."""
+        conn = self._driver.connect(deadline)
+        try:
+            for statement in self.backend.watch(channel):
+                conn.execute(statement)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     # -- shared leases -----------------------------------------------------
     def semaphore(self, name: str, limit: int) -> Shared:
@@ -594,9 +661,13 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _LockContext:
         """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
-        return self.readers(name).lock(ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        return self.readers(name).lock(
+            ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
+        )
 
     def write_lock(
         self,
@@ -606,18 +677,30 @@ class Locker:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _LockContext:
         """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
-        return self.lock(name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost)
+        return self.lock(
+            name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
+            expiring_margin=expiring_margin,
+        )
 
     def _share_try(
-        self, name: str, limit: int | None, ttl: float | None, renew: bool, on_lost: OnLost | None
+        self,
+        name: str,
+        limit: int | None,
+        ttl: float | None,
+        renew: bool,
+        on_lost: OnLost | None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> Lease | None:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = self._try(name, ttl, 0.0, limit)
         if lease is not None and renew:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     def _share_acquire(
@@ -628,13 +711,15 @@ class Locker:
         timeout: float | None,
         renew: bool,
         on_lost: OnLost | None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> Lease:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = self._acquire(name, ttl, 0.0, timeout, limit)
         if renew:
-            lease.start_renewal(on_lost)
+            lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
     # -- helpers -----------------------------------------------------------
@@ -743,7 +828,7 @@ class Locker:
 
 
 class _LockContext:
-    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renew", "_on_lost", "_hold", "_lease", "_acquire", "_owner")
+    __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renewal", "_hold", "_lease", "_acquire", "_owner")
 
     def __init__(
         self,
@@ -751,27 +836,24 @@ class _LockContext:
         name: str,
         ttl: float | None,
         timeout: float | None,
-        renew: bool,
-        on_lost: OnLost | None,
+        renewal: dict[str, Any],
         hold: float = 0.0,
         acquire: Callable[..., Any] | None = None,
         *,
         owner: str | None = None,
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout, self._owner = locker, name, ttl, timeout, owner
-        self._renew, self._on_lost, self._hold = renew, on_lost, hold
+        self._renewal, self._hold = renewal, hold  # renew, on_lost, on_expiring, expiring_margin
         self._lease: Lease | None = None
         self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
 
     def __enter__(self) -> Lease:
         if self._acquire is not None:
-            self._lease = self._acquire(
-                ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost
-            )
+            self._lease = self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
         else:
             self._lease = self._locker.acquire(
-                self._name, ttl=self._ttl, timeout=self._timeout, renew=self._renew, on_lost=self._on_lost,
-                min_hold=self._hold, owner=self._owner,
+                self._name, ttl=self._ttl, timeout=self._timeout, min_hold=self._hold, owner=self._owner,
+                **self._renewal,
             )
         return self._lease
 
@@ -826,11 +908,17 @@ class Shared:
         self._measured, self._try, self._acquire = measured, try_, acquire
 
     def try_acquire(
-        self, *, ttl: float | None = None, renew: bool = False, on_lost: OnLost | None = None
+        self,
+        *,
+        ttl: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> Lease | None:
         """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
         lease: Lease | None = self._measured(
-            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost)
+            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost, on_expiring, expiring_margin)
         )
         return lease
 
@@ -841,6 +929,8 @@ class Shared:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> Lease:
         """Wait up to ``timeout`` seconds; LockNotAcquired after.
 
@@ -850,7 +940,8 @@ class Shared:
         the task leaves the queue and releases a lease granted meanwhile.
         """
         lease: Lease = self._measured(
-            self.name, lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost)
+            self.name,
+            lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
         )
         return lease
 
@@ -861,16 +952,18 @@ class Shared:
         timeout: float | None = None,
         renew: bool = False,
         on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
     ) -> _LockContext:
         """``with sem.lock() as lease:`` acquires, and releases on exit (also on error; asynchronous on asyncio)."""
-        check_renew(renew, on_lost)
+        check_renew(renew, on_lost, on_expiring, expiring_margin)
+        renewal = dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return _LockContext(
             self.locker,
             self.name,
             None if ttl is None else check_ttl(ttl),
             None if timeout is None else check_timeout(timeout),
-            renew,
-            on_lost,
+            renewal,
             0.0,
             acquire=self.acquire,
         )

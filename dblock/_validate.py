@@ -186,15 +186,28 @@ def check_token(token: object) -> int:
     return token
 
 
-def check_renew(renew: object, on_lost: object) -> None:
-    """``renew`` and ``on_lost`` of an acquire: a bool, and a callable only with renewal."""
+def check_renew(renew: object, on_lost: object, on_expiring: object = None, expiring_margin: object = None) -> None:
+    """``renew``, ``on_lost``, ``on_expiring`` and ``expiring_margin`` of an acquire: a bool, and
+    callables (and a margin in seconds) only with renewal."""
     if not isinstance(renew, bool):
         raise TypeError(f"renew must be True or False, not {type(renew).__name__}")
-    if on_lost is not None:
-        if not callable(on_lost):
-            raise TypeError(f"on_lost must be a callable taking the lease, or None; not {type(on_lost).__name__}")
-        if not renew:
-            raise ValueError("on_lost is called by renewal: pass renew=True with it")
+    check_callbacks(on_lost, on_expiring, expiring_margin)
+    for what, given in (("on_lost", on_lost), ("on_expiring", on_expiring), ("expiring_margin", expiring_margin)):
+        if given is not None and not renew:
+            raise ValueError(f"{what} is for renewal: pass renew=True with it")
+
+
+def check_callbacks(on_lost: object, on_expiring: object = None, expiring_margin: object = None) -> float | None:
+    """Renewal's callbacks (each a callable taking the lease, or None) and the warning's margin
+    (seconds of trust left, or None: a third of the ttl)."""
+    for what, callback in (("on_lost", on_lost), ("on_expiring", on_expiring)):
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{what} must be a callable taking the lease, or None; not {type(callback).__name__}")
+    if expiring_margin is None:
+        return None
+    if on_expiring is None:
+        raise ValueError("expiring_margin says when on_expiring is called: pass on_expiring with it")
+    return check_ttl(expiring_margin, "expiring_margin")
 
 
 class Options(NamedTuple):

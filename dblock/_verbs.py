@@ -58,7 +58,15 @@ class Verbs:
 
     # -- acquiring -------------------------------------------------------------
     def acquire(
-        self, name: str, owner: str, ttl: float, limit: int | None | bool, deadline: float, *, waiting: bool = False
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        limit: int | None | bool,
+        deadline: float,
+        *,
+        waiting: bool = False,
+        label: str | None = None,
     ) -> tuple[Grant | Miss, int | None, float]:
         """One attempt (``limit`` False: the exclusive lock; None: a reader; an int: a semaphore slot).
 
@@ -66,7 +74,7 @@ class Verbs:
         binds), and when the statement was sent.
         """
         sql = self.backend.sql
-        params: dict[str, Any] = {"name": name, "owner": owner, "ttl": ttl, "label": self._label()}
+        params: dict[str, Any] = {"name": name, "owner": owner, "ttl": ttl, "label": label or self._label()}
         sent_at = time.monotonic()
         if core.shared_kind(limit):
             params["limit"] = core.limit_bind(limit)
@@ -88,6 +96,8 @@ class Verbs:
         until: float | None,
         seq: int | None,
         deadline: float,
+        *,
+        label: str | None = None,
     ) -> tuple[Grant | Queued | None, float]:
         """One look of a fair waiter: granted, or its place in line (None: look again); and when it was sent."""
         queue = self.backend.queue
@@ -96,7 +106,7 @@ class Verbs:
             self.driver.run(
                 queue.share_enqueue if core.shared_kind(limit) else queue.enqueue,
                 {
-                    "name": name, "owner": owner, "ttl": ttl, "label": self._label(),
+                    "name": name, "owner": owner, "ttl": ttl, "label": label or self._label(),
                     "proc": self._proc(), "lapse": self._lapse,
                     "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
                     "until": until, "seq": seq, "limit": core.limit_bind(limit),
@@ -193,6 +203,18 @@ class Verbs:
         token = self.backend.owned(rows)
         if token is not None:
             self.end({"name": name, "owner": owner, "token": token}, self.deadline(), shared=shared)
+
+    def relabel(self, name: str, owner: str, token: int, label: str, channel: str) -> datetime | None:
+        """Set the lease's label (an election's value), notifying ``channel`` where the database can:
+        the lease's grant time, or None if it was released or taken over."""
+        rows = (
+            self.driver.run(
+                self.backend.sql.relabel,
+                {"name": name, "owner": owner, "token": token, "label": label, "channel": channel},
+                deadline=self.deadline(),
+            )
+        ).rows
+        return core.when(rows[0][0]) if rows else None
 
     # -- operators -------------------------------------------------------------
     def leases(self, name: str | None = None) -> list[LeaseInfo]:

@@ -35,13 +35,14 @@ from ._process import describe_process
 from ._redact import display_url, redact
 from . import __version__
 from ._validate import (
-    check_identifier, check_limit, check_min_hold, check_name, check_timeout, check_ttl, human_seconds, parse_duration,
+    check_identifier, check_limit, check_min_hold, check_name, check_text, check_timeout, check_ttl, human_seconds,
+    parse_duration,
 )
 from .errors import DBLockError, LockNotAcquired, PermissionDenied
 from .lease import Lease, LeaseInfo
 from .locker import Locker
 from .renew import Overdue, call_within
-from .schema import DEFAULT_TABLE, default_sqlite_path
+from .schema import DEFAULT_TABLE, LABEL_LENGTH, default_sqlite_path
 
 EXIT_NOT_HELD = 1  # status NAME: not held; release: nothing was released
 EXIT_USAGE = 2  # bad arguments (argparse's code); nothing was touched
@@ -105,6 +106,15 @@ def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
 _NAME = _typed(check_name, str)
 _MIN_INTERVAL = _typed(lambda v: check_min_hold(v, "min-interval"), parse_duration)
 _TABLE = _typed(lambda v: check_identifier(v, "table"), str)
+
+
+def _signal(text: str) -> signal.Signals:
+    """A signal by name (USR1, SIGUSR1) or number."""
+    name = text.strip().upper()
+    try:
+        return signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a signal: {text!r} (a name such as USR1 or SIGTERM, or a number)") from None
 _SCHEMA = _typed(lambda v: check_identifier(v, "schema"), str)
 
 
@@ -175,10 +185,42 @@ def build_parser(prog: str = "dblock", django: bool = False) -> argparse.Argumen
                       help="take a read lock: any number of --shared runs at once, none with an exclusive run of NAME")
     side.add_argument("--limit", type=_typed(check_limit, int), default=None, metavar="N",
                       help="take one of N semaphore slots of NAME: at most N such runs at once")
+    run.add_argument("--expiring-signal", type=_signal, default=None, metavar="SIG",
+                     help="send SIG (USR1, TERM...) to CMD when renewal has not extended the lease and little "
+                     "of it is left (--expiring-margin), before it is lost (default: none)")
+    run.add_argument("--expiring-margin", type=_seconds(lambda v: check_ttl(v, "expiring-margin")), default=None,
+                     metavar="T", help="how much of the lease is left when SIG is sent (default: a third of the ttl)")
     run.add_argument("--min-interval", type=_MIN_INTERVAL, default=0.0, metavar="T",
                      help="keep the lock until T after it was got, even if CMD ends sooner, so CMD started "
                      "on several machines runs once per period (default: 0, released when CMD ends)")
-    run.set_defaults(handler=_run, parser=run)
+    run.set_defaults(handler=_run, parser=run, elect=False)
+
+    elect = commands.add_parser(
+        "elect",
+        parents=[common],
+        allow_abbrev=False,
+        usage=f"{prog} elect NAME [--value V] [--ttl T] [--wait T] [--grace T] [options] -- CMD [ARGS...]",
+        help="run a command while leading an election",
+        description="Campaign in the election NAME (waiting for ever by default), run CMD while this process "
+        "leads, with DBLOCK_NAME set and DBLOCK_TOKEN the term (a fencing token), renew the leadership every "
+        "ttl/3, resign when CMD exits (the next candidate leads at once), and exit with CMD's status.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    elect.add_argument("name", type=_NAME, help="the election's name")
+    elect.add_argument("--value", type=_typed(lambda v: check_text(v, "value", LABEL_LENGTH), str), default=None,
+                       help="what this leader proclaims, shown by `dblock status` (default: host:pid command)")
+    elect.add_argument("--ttl", type=_seconds(check_ttl), default=DEFAULT_TTL,
+                       help=f"leadership lease, renewed every ttl/3 (default: {DEFAULT_TTL:g}s)")
+    elect.add_argument("--wait", type=_seconds(check_timeout), default=float("inf"),
+                       help=f"how long to campaign (default: for ever; 0: exit {EXIT_BUSY} at once if another leads)")
+    elect.add_argument("--grace", type=_seconds(check_timeout), default=DEFAULT_GRACE,
+                       help=f"if leadership is lost: time between SIGTERM and SIGKILL (default: {DEFAULT_GRACE:g}s)")
+    elect.add_argument("--expiring-signal", type=_signal, default=None, metavar="SIG",
+                       help="send SIG to CMD when renewal has not extended the leadership and little of it is left")
+    elect.add_argument("--expiring-margin", type=_seconds(lambda v: check_ttl(v, "expiring-margin")), default=None,
+                       metavar="T", help="how much is left when SIG is sent (default: a third of the ttl)")
+    elect.set_defaults(handler=_run, parser=elect, elect=True, shared=False, limit=None, min_interval=0.0)
 
     status = commands.add_parser(
         "status", parents=[common], allow_abbrev=False, help="list the leases held now",
@@ -248,14 +290,14 @@ def _main(argv: list[str]) -> int:
         argv, command = argv[:at], argv[at + 1 :]
     args, extra = parser.parse_known_args(argv)
     sub: argparse.ArgumentParser = args.parser
-    if extra and args.command == "run" and command is None and not extra[0].startswith("-"):
+    if extra and args.command in ("run", "elect") and command is None and not extra[0].startswith("-"):
         # `dblock run NAME CMD ARGS`: the most likely slip, answered with the fix.
-        sub.error(f"put -- before the command to run: dblock run {args.name} -- {' '.join(extra)}")
+        sub.error(f"put -- before the command to run: dblock {args.command} {args.name} -- {' '.join(extra)}")
     if extra:
         parser.parse_args(argv)  # argparse's own error for what it does not know
-    if args.command == "run":
+    if args.command in ("run", "elect"):
         if not command:
-            sub.error("give the command to run after --, e.g. dblock run NAME -- CMD ARGS...")
+            sub.error(f"give the command to run after --, e.g. dblock {args.command} NAME -- CMD ARGS...")
         args.cmd = command
     elif command is not None:
         args = parser.parse_args([*argv, "--", *command])
@@ -293,6 +335,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     command: list[str] = args.cmd
     if (args.shared or args.limit is not None) and args.min_interval:
         parser.error("--min-interval holds the exclusive lock; it does not go with --shared or --limit")
+    if args.expiring_margin is not None and args.expiring_signal is None:
+        parser.error("--expiring-margin says when --expiring-signal is sent: give --expiring-signal too")
     locker = _locker(args, parser, label=describe_process(command))
     child: list[subprocess.Popen[bytes]] = []  # set once the command runs
     pending: list[int] = []  # signals that arrived while it was being started
@@ -312,7 +356,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     lease: Lease | None = None
     try:
         wake = threading.Event()
-        lease = _acquire(locker, args, on_lost=lambda _: wake.set())
+
+        def expiring(lease: Lease) -> None:
+            if child and child[0].poll() is None:
+                print(f"dblock: {args.name!r} could not be renewed yet and has {lease.remaining():.1f} s left; "
+                      f"sending {args.expiring_signal.name} to the command", file=sys.stderr)
+                child[0].send_signal(args.expiring_signal)
+
+        warn = expiring if args.expiring_signal is not None else None
+        lease = _acquire(locker, args, on_lost=lambda _: wake.set(), on_expiring=warn, margin=args.expiring_margin)
         if lease is None:
             print(f"dblock: {_busy(locker, args.name, args.wait)}", file=sys.stderr)
             return EXIT_BUSY
@@ -381,22 +433,38 @@ def _die_with(supervisor: int) -> Callable[[], None] | None:
     return in_child
 
 
-def _acquire(locker: Locker, args: argparse.Namespace, on_lost: Callable[[Lease], object]) -> Lease | None:
+def _acquire(
+    locker: Locker,
+    args: argparse.Namespace,
+    on_lost: Callable[[Lease], object],
+    on_expiring: Callable[[Lease], object] | None = None,
+    margin: float | None = None,
+) -> Lease | None:
     started = time.monotonic()
     shared = None  # the exclusive lock; else a read lock's readers or a semaphore (--shared, --limit)
     if getattr(args, "shared", False) or getattr(args, "limit", None) is not None:
         shared = locker.readers(args.name) if args.limit is None else locker.semaphore(args.name, args.limit)
 
+    renewal: dict[str, Any] = dict(renew=True, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=margin)
+
     def take(timeout: float | None) -> Lease | None:
+        if args.elect:
+            try:
+                return locker.election(args.name).campaign(
+                    value=args.value, ttl=args.ttl, timeout=0.0 if timeout is None else timeout, on_lost=on_lost,
+                    on_expiring=on_expiring, expiring_margin=margin,
+                ).lease
+            except LockNotAcquired:
+                if timeout is None:
+                    return None  # one try: another leads
+                raise
         if shared is not None:
             if timeout is None:
-                return shared.try_acquire(ttl=args.ttl, renew=True, on_lost=on_lost)
-            return shared.acquire(ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost)
+                return shared.try_acquire(ttl=args.ttl, **renewal)
+            return shared.acquire(ttl=args.ttl, timeout=timeout, **renewal)
         if timeout is None:
-            return locker.try_acquire(args.name, ttl=args.ttl, renew=True, on_lost=on_lost, min_hold=args.min_interval)
-        return locker.acquire(
-            args.name, ttl=args.ttl, timeout=timeout, renew=True, on_lost=on_lost, min_hold=args.min_interval
-        )
+            return locker.try_acquire(args.name, ttl=args.ttl, min_hold=args.min_interval, **renewal)
+        return locker.acquire(args.name, ttl=args.ttl, timeout=timeout, min_hold=args.min_interval, **renewal)
 
     if args.wait == 0 or sys.stderr.isatty():
         # One attempt; on SQLite it still waits (briefly) for another writer to finish.

@@ -53,13 +53,16 @@ def locked(
     on_lost: OnLost | None = None,
     min_hold: float | None = None,
     owner: str | None = None,
+    on_expiring: OnLost | None = None,
+    expiring_margin: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """See ``Locker.synchronized``."""
     if not isinstance(name, str):
         raise TypeError(f"lock name must be a str, not {type(name).__name__}")
     ttl = None if ttl is None else check_ttl(ttl)
     timeout = None if timeout is None else check_timeout(timeout)
-    check_renew(renew, on_lost)
+    check_renew(renew, on_lost, on_expiring, expiring_margin)
+    renewal: dict[str, Any] = dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
     hold = check_min_hold(min_hold)
     fields = _fields(name)
     if not fields:
@@ -115,7 +118,7 @@ def locked(
             @functools.wraps(fn)
             async def run_native(*args: Any, **kwargs: Any) -> Any:
                 async with alocker.lock(
-                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold,
+                    lock_name(args, kwargs), ttl=ttl, timeout=timeout, min_hold=hold, **renewal,
                     owner=owner_key(args, kwargs),
                 ) as lease:
                     mark = _current.set(lease)
@@ -132,7 +135,7 @@ def locked(
             async def run_async(*args: Any, **kwargs: Any) -> Any:
                 key, holder = lock_name(args, kwargs), owner_key(args, kwargs)
                 lease = await _acquire_off_loop(lambda: slocker.acquire(
-                    key, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold, owner=holder
+                    key, ttl=ttl, timeout=timeout, min_hold=hold, **renewal, owner=holder
                 ))
                 mark = _current.set(lease)
                 try:
@@ -150,7 +153,7 @@ def locked(
         @functools.wraps(fn)
         def run(*args: P.args, **kwargs: P.kwargs) -> R:
             with slocker.lock(
-                lock_name(args, kwargs), ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, min_hold=hold,
+                lock_name(args, kwargs), ttl=ttl, timeout=timeout, min_hold=hold, **renewal,
                 owner=owner_key(args, kwargs),
             ) as lease:
                 mark = _current.set(lease)

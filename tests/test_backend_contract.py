@@ -336,6 +336,25 @@ def test_extend_compares_name_owner_token(db: Db, wire: Wire) -> None:
     assert expiry(db, "x") == new
 
 
+def test_relabel_compares_name_owner_token_and_keeps_the_lease(db: Db, wire: Wire) -> None:
+    """Relabel (an election's value) changes only the label of the lease (name, owner, token), and
+    returns its grant time; anything else, zero rows and no change."""
+    me = owner()
+    g = wire.grant("lbl", me)
+
+    def relabel(who: str, token: int, label: str) -> list[Sequence[Any]]:
+        return wire.run(wire.sql.relabel, name="lbl", owner=who, token=token, label=label, channel="dblock_e_test")
+
+    assert relabel(owner(), g.token, "stranger") == []  # not the owner: nothing changed
+    assert relabel(me, g.token + 1, "stranger") == []
+    (row,) = relabel(me, g.token, "leader value")
+    ((_, holder, token, *_, label, _, _),) = wire.leases()["lbl"]
+    assert (holder, token, label) == (me, g.token, "leader value")  # same lease, same term, new label
+    assert when(row[0]) == when(wire.leases()["lbl"][0][3])  # the lease's acquired_at
+    wire.release("lbl", me, g.token)
+    assert relabel(me, g.token, "after") == []  # released: nothing changed
+
+
 def test_extend_never_shortens(db: Db, wire: Wire) -> None:
     """An extend with a shorter ttl than the lease has left keeps its expiry."""
     a = owner()

@@ -38,9 +38,14 @@ def on(signum, frame):
     with open(os.path.join(d, "signals"), "a") as f:
         f.write(f"{signum}\\n")
     sys.exit(42)
-if mode == "handle":
+def note(signum, frame):
+    with open(os.path.join(d, "signals"), "a") as f:
+        f.write(f"{signum}\\n")
+if mode in ("handle", "usr1"):
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on)
+if mode == "usr1":
+    signal.signal(signal.SIGUSR1, note)  # noted, and the command goes on
 elif mode == "ignore":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 with open(os.path.join(d, "started.tmp"), "w") as f:
@@ -254,6 +259,33 @@ def test_lease_lost_while_the_database_is_silent_stops_the_command(pg: Db, tmp_p
     finally:
         proxy.close()
         cli.stop_holders()
+
+
+def test_the_expiring_signal_warns_the_command_before_the_lease_is_lost(pg: Db, tmp_path: Path) -> None:
+    proxy = PgProxy(pg.url)
+    cli = Cli(pg, tmp_path)
+    try:
+        cli.options = ["--url", proxy.url, "--table", pg.table]
+        holder = cli.holder("job", tmp_path / "w", "--ttl", "1.5", "--expiring-signal", "usr1", mode="usr1")
+        proxy.pause()
+        code, _, err = finish(holder)
+        assert code == EXIT_LOST, err
+        # SIGUSR1 while some of the lease was left, then SIGTERM once it was lost.
+        assert (tmp_path / "w" / "signals").read_text() == f"{int(signal.SIGUSR1)}\n{int(signal.SIGTERM)}\n"
+        assert "could not be renewed yet" in err and "sending SIGUSR1" in err
+    finally:
+        proxy.close()
+        cli.stop_holders()
+
+
+def test_expiring_options_are_checked(embedded: Cli) -> None:
+    for options, message in (
+        (["--expiring-signal", "NOPE"], "not a signal: 'NOPE'"),
+        (["--expiring-margin", "5"], "give --expiring-signal too"),
+        (["--expiring-signal", "USR1", "--expiring-margin", "0"], "expiring-margin must be"),
+    ):
+        done = embedded("run", "job", *options, "--", "true")
+        assert done.returncode == 2 and message in done.stderr, done
 
 
 def check_signal_reaches_the_command(cli: Cli, work: Path, signum: int) -> None:

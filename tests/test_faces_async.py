@@ -206,17 +206,21 @@ async def test_locked_is_the_old_name_of_synchronized_and_warns(db: Db) -> None:
         assert await decorate(job)(21) == 42
 
 
-async def test_waiting_for_a_name_this_worker_holds_says_so_at_once(db: Db) -> None:
-    """Without an owner key, a task (or thread) that waits for a name it holds through the same Locker
-    would wait for its own lease: it is told so at once, with nothing sent; another task (or thread)
-    waits as ever."""
+async def test_waiting_for_a_name_this_worker_holds_says_so_at_once(
+    db: Db, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without an owner key, a task (or thread) that waits for a name it holds through the same Locker,
+    whose lease would outlast the wait (the default wait, for ever, included), is told so at once;
+    one whose own lease ends within the wait is warned and takes it over then. Another task (or
+    thread) waits as ever."""
     async with make(db) as locker:
         outer = await locker.acquire("self", ttl=30)
-        started = time.monotonic()
-        with pytest.raises(LockNotAcquired, match="holds it already, through this .*owner key") as caught:
-            await locker.acquire("self", timeout=30)
-        assert time.monotonic() - started < 10  # at once, not at the end of its 30 s wait nor of the lease
-        assert caught.value.name == "self" and isinstance(caught.value, TimeoutError)
+        for timeout in (10, None):  # None: the Locker's default, for ever
+            started = time.monotonic()
+            with pytest.raises(LockNotAcquired, match="holds it already, through this .*owner key") as caught:
+                await locker.acquire("self", timeout=timeout)
+            assert time.monotonic() - started < 5  # at once, not at the end of its wait nor of the lease
+            assert caught.value.name == "self" and isinstance(caught.value, TimeoutError)
         assert await locker.try_acquire("self") is None  # one try: a miss, as for another owner
         out: list[BaseException] = []
 
@@ -230,7 +234,11 @@ async def test_waiting_for_a_name_this_worker_holds_says_so_at_once(db: Db) -> N
         await ajoin(worker, 30)
         assert len(out) == 1 and "held by another owner" in str(out[0])
         assert await outer.release() is True
-        again = await locker.acquire("self", timeout=0.3)  # released: nothing to say any more
+        short = await locker.acquire("self", ttl=0.3)
+        with caplog.at_level(logging.WARNING, logger="dblock.locker"):
+            again = await locker.acquire("self", timeout=30)  # its own lease ends within the wait
+        assert again.token > short.token and await short.release() is False  # taken over at its end
+        assert [r for r in caplog.records if "takes it over when that lease ends" in r.getMessage()]
         await again.release()
 
 

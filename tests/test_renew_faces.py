@@ -240,6 +240,62 @@ def test_the_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db)
                 assert event_wait(lease.lost, 10)
 
 
+# -- a warning before expiry -------------------------------------------------------------------
+def test_on_expiring_warns_before_the_lease_is_lost_when_renewal_cannot_extend(pg: Db) -> None:
+    """The database stops answering (a proxy that holds every byte): renewal cannot extend, and
+    on_expiring runs once the trust left falls to the margin, before on_lost, which runs when
+    the trust is gone."""
+    proxy = PgProxy(pg.url)
+    events: list[tuple[str, float]] = []
+    try:
+        with Locker(proxy.url, table=pg.table, op_timeout=5) as locker:
+            lease = locker.acquire(
+                "job", ttl=1.5, renew=True, expiring_margin=0.6,
+                on_expiring=lambda lease: events.append(("expiring", lease.remaining())),
+                on_lost=lambda lease: events.append(("lost", lease.remaining())),
+            )
+            proxy.pause()  # from now on nothing reaches the server
+            try:
+                assert event_wait(lease.lost, 10), "renewal never gave the lease up"
+                until(lambda: len(events) == 2, "both callbacks")
+            finally:
+                proxy.resume()
+            (first, left), (second, _) = events
+            assert (first, second) == ("expiring", "lost")
+            assert 0 < left <= 0.6  # warned with at most the margin left, and some still left
+    finally:
+        proxy.close()
+
+
+def test_on_expiring_warns_again_only_after_an_extend_restored_the_lease(pg: Db) -> None:
+    proxy = PgProxy(pg.url)
+    warned: list[float] = []
+    try:
+        with Locker(proxy.url, table=pg.table, op_timeout=5) as locker:
+            lease = locker.acquire(
+                "job", ttl=2.0, renew=True, on_expiring=lambda lease: warned.append(lease.remaining())
+            )
+            for round_ in (1, 2):
+                proxy.pause()
+                until(lambda: len(warned) == round_, f"warning {round_}")
+                assert 0 < warned[-1] <= 2.0 / 3  # the default margin: a third of the ttl
+                proxy.resume()
+                until(lambda: lease.remaining() > 1.0, "renewal to restore the lease")
+            assert not lease.lost.is_set() and len(warned) == 2
+            assert lease.release() is True
+    finally:
+        proxy.close()
+
+
+def test_no_warning_while_renewal_keeps_up(db: Db) -> None:
+    warned: list[Lease] = []
+    with make(db) as locker:
+        lease = locker.acquire("job", ttl=0.6, renew=True, on_expiring=warned.append)
+        until(lambda: held_for(db, "job") > 2.0, "renewal through a few ttls")
+        assert warned == [] and not lease.lost.is_set()
+        assert lease.release() is True
+
+
 # -- batches -------------------------------------------------------------------------------
 N = 50
 
@@ -386,6 +442,11 @@ def test_start_renewal_checks_its_arguments_and_state(db: Db) -> None:
         ({"renew": 1}, TypeError),
         ({"on_lost": print}, ValueError),  # on_lost without renew=True
         ({"renew": True, "on_lost": "print"}, TypeError),
+        ({"on_expiring": print}, ValueError),  # on_expiring without renew=True
+        ({"renew": True, "on_expiring": 3}, TypeError),
+        ({"renew": True, "on_expiring": print, "expiring_margin": 0}, ValueError),
+        ({"renew": True, "on_expiring": print, "expiring_margin": "1"}, TypeError),
+        ({"renew": True, "expiring_margin": 1.0}, ValueError),  # a margin for no callback
     ],
 )
 def test_bad_renewal_options_change_nothing(db: Db, options: dict[str, object], error: type[Exception]) -> None:

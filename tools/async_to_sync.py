@@ -39,6 +39,7 @@ SOURCES = [
     ("dblock/_akeeper.py", "dblock/_keeper.py"),
     ("dblock/_alease.py", "dblock/_lease.py"),
     ("dblock/_agroup.py", "dblock/_group.py"),
+    ("dblock/_aelection.py", "dblock/_election.py"),
     ("dblock/_alocker.py", "dblock/_locker.py"),
     # What both faces promise, tested once.
     ("tests/test_faces_async.py", "tests/test_faces.py"),
@@ -46,6 +47,7 @@ SOURCES = [
     ("tests/test_waiting_faces_async.py", "tests/test_waiting_faces.py"),
     ("tests/test_groups_faces_async.py", "tests/test_groups_faces.py"),
     ("tests/test_reentry_faces_async.py", "tests/test_reentry_faces.py"),
+    ("tests/test_election_faces_async.py", "tests/test_election_faces.py"),
 ]
 
 RENAMES = {
@@ -93,6 +95,10 @@ RENAMES = {
     "_AsyncLockContext": "_LockContext",
     "_AsyncGroupContext": "_GroupContext",
     "AsyncLeaseGroup": "LeaseGroup",
+    "AsyncElection": "Election",
+    "AsyncLeadership": "Leadership",
+    "_aelection": "_election",
+    "AsyncIterator": "Iterator",
     "_agroup": "_group",
     "ALock": "Lock",
     "ato_thread": "to_thread",

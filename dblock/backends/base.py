@@ -112,6 +112,10 @@ class Statements:
     share_extend_many: str
     share_owned: str  # as owned, for a shared attempt
     share_prune: str  # after prune: forget shared leases that ended long ago
+    # A lease's label (an election's value) changed by its holder: binds name, owner, token, label,
+    # channel. One row (acquired_at) when the lease was still this owner's; zero rows: released or
+    # taken over. Where ``caps.notify``, it also notifies ``channel``: "token acquired_at label".
+    relabel: str
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,11 @@ class Backend:
         raise Unsupported(f"{self.title} statements are cut off, not bounded by a writer wait")
 
     # -- notifications (``caps.notify``) ---------------------------------------------
+    @staticmethod
+    def watch(channel: str) -> list[str]:
+        """The statements that make a session hear an election's ``relabel`` notifications."""
+        raise Unsupported("this database cannot notify")
+
     @staticmethod
     def listen(listener: str) -> list[str]:
         """The statements that make a connection the listener ``listener`` (an id of hex digits):

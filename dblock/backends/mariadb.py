@@ -628,9 +628,16 @@ COMMIT"""
     # owned (after an acquire whose reply was lost): binds name, owner. One row (token)
     #   when owner holds the name; zero rows: it does not.
     owned = f"SELECT token FROM {t} WHERE name = %(name)s AND owner = %(owner)s"
+    # relabel (base.Statements): binds name, owner, token, label (channel unused: no NOTIFY
+    #   here). One transaction: the row read back is the one updated, still locked by it
+    #   (ROW_COUNT() would say 0 for a label set to the value it had).
+    relabel = f"""BEGIN;
+UPDATE {t} SET label = %(label)s WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s;
+SELECT acquired_at FROM {t} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s;
+COMMIT"""
     return dict(
         acquire=acquire, holder=None, release=release, release_held=release_held, released=released, extend=extend,
-        extend_many=extend_many, prune=prune, owned=owned,
+        extend_many=extend_many, prune=prune, owned=owned, relabel=relabel,
     )
 
 

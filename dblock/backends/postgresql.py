@@ -89,6 +89,7 @@ class PostgreSQL(Backend):
             extend_many=exclusive["extend_many"], prune=exclusive["prune"], prune_lock=exclusive["prune_lock"],
             # After a lost reply the owner leaves the queue too: cancel, exclusive and shared alike.
             owned=exclusive["cancel"], share_owned=exclusive["cancel"], share_holder=None, **shared,
+            relabel=exclusive["relabel"],
         )
 
     @classmethod
@@ -222,6 +223,12 @@ class PostgreSQL(Backend):
     @staticmethod
     def listen(listener: str) -> list[str]:
         return [f"SET application_name = '{APPLICATION_NAME}'", f"LISTEN {CHANNEL_PREFIX}{listener}"]
+
+    @staticmethod
+    def watch(channel: str) -> list[str]:
+        if not channel.replace("_", "").isalnum():
+            raise ValueError(f"not a channel name: {channel!r}")
+        return [f"SET application_name = '{APPLICATION_NAME}'", f"LISTEN {channel}"]
 
     # The listening session as the hand-off checks a waiter's liveness (its pid and start).
     session = "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
@@ -688,10 +695,23 @@ SELECT set_config('synchronous_commit', 'off', true) FROM b"""
 SELECT w.name, count(*)::int FROM {queue} AS w JOIN {procs} AS p ON p.id = w.proc
 WHERE p.until > now() AND (w.until IS NULL OR w.until > now())
 GROUP BY w.name"""
+    # relabel (an election's leader proclaims a value; base.Statements)
+    # binds: name, owner, token, label, channel
+    # One row (acquired_at) when the lease was still this owner's, and a NOTIFY on channel
+    # with "token acquired_at(epoch) label", sent at commit, so a watcher of the election
+    # hears each leader in commit order. Zero rows (and no NOTIFY): released or taken over.
+    relabel = f"""
+WITH r AS (
+    UPDATE {t} SET label = %(label)s
+    WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+    RETURNING token, acquired_at
+)
+SELECT r.acquired_at, pg_notify(%(channel)s, r.token::text || ' ' || extract(epoch FROM r.acquired_at)::text || ' ' || %(label)s)
+FROM r"""
     return dict(
         acquire=acquire, release=release, release_held=release_held, released=released, extend=extend,
         extend_many=extend_many, prune=prune, prune_lock=prune_lock, enqueue=enqueue, cancel=cancel,
-        beat=beat, waiters=waiters,
+        beat=beat, waiters=waiters, relabel=relabel,
     )
 
 

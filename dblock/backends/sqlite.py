@@ -307,9 +307,14 @@ RETURNING name"""
     # binds: name, owner
     # returns one row (token) when owner holds the name; zero rows: it does not.
     owned = f"SELECT token FROM {t} WHERE name = :name AND owner = :owner"
+    # relabel (base.Statements): binds name, owner, token, label (channel unused: no NOTIFY here)
+    relabel = f"""
+UPDATE {t} SET label = :label
+WHERE name = :name AND owner = :owner AND token = :token
+RETURNING acquired_at"""
     return dict(
         acquire=acquire, holder=holder, release=release, release_held=release_held, released=released, extend=extend,
-        extend_many=extend_many, prune=prune, owned=owned,
+        extend_many=extend_many, prune=prune, owned=owned, relabel=relabel,
     )
 
 
