@@ -17,6 +17,7 @@ from dblock._acompat import join, sleep, spawn, running
 
 from .conftest import ALL_BACKENDS, Db
 from .test_faces import held, make
+from .test_waiting_faces import count_statements
 
 BACKENDS = ALL_BACKENDS
 
@@ -42,6 +43,17 @@ def test_all_names_are_held_together_each_with_its_own_token(db: Db) -> None:
         for name in NAMES:
             assert again[name].token > group[name].token  # every name's tokens still grow
         again.release()
+
+
+def test_a_group_of_free_names_costs_one_statement_per_name_each_way(db: Db) -> None:
+    with make(db) as locker:
+        (locker.acquire_all(["warm-1", "warm-2"], timeout=5)).release()  # connections open
+        sent = count_statements(locker)
+        names = [f"n{i}" for i in range(5)]
+        group = locker.acquire_all(names, ttl=30, timeout=5)
+        assert len(sent) == 5  # one grant each (an acquire, or PostgreSQL's enqueue, which grants a free name)
+        group.release()
+        assert sent[5:] == [locker.backend.sql.release] * 5
 
 
 def test_try_acquire_all_gets_all_or_none(db: Db) -> None:
