@@ -265,8 +265,8 @@ class Election:
         try:
             for note in conn.notifies(timeout=wait, stop_after=1):
                 heard.append(note.payload)
-            if heard:  # and those that came with it
-                for note in conn.notifies(timeout=_RACE):
+            if heard:  # and those that came with it, already received: no more waiting
+                for note in conn.notifies(timeout=0.0):
                     heard.append(note.payload)
         except Exception as exc:  # noqa: BLE001 - the connection broke: look every interval from now on
             log.warning("lost the LISTEN connection for the leaders of %r (%s); looking every interval", self.name, exc)

@@ -26,6 +26,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("aio.py", ["--rounds", "1", "--pairs", "3", "--tasks", "3", "--seconds", "0.3"]),
         ("shared.py", ["--processes", "2", "--threads", "2", "--seconds", "0.3", "--rounds", "1", "--sem-processes", "2",
                        "--sem-threads", "3", "--limit", "2", "--attempts", "3"]),
+        ("coordination.py", ["--sizes", "2,3", "--pairs", "4", "--rounds", "1", "--handovers", "2", "--block", "1",
+                             "--settle", "0.05", "--observations", "2", "--interval", "0.1"]),
     ],
 )
 def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
