@@ -1,6 +1,6 @@
-"""The model of dblock's lease (``model/lease.pml``), checked by Spin: every interleaving within
-its bounds keeps its properties, each known bug class (a mutant) yields a counterexample, and
-the model names every statement the backends have, or lists it as not modelled yet."""
+"""The models of dblock's protocol (``model/*.pml``), checked by Spin: every interleaving within
+their bounds keeps their properties, each known bug class (a mutant) yields a counterexample,
+and the models name every statement the backends have, or list it as not modelled yet."""
 
 from __future__ import annotations
 
@@ -15,13 +15,21 @@ import pytest
 from dblock.backends.base import QueueStatements, Statements
 
 MODEL = Path(__file__).resolve().parent.parent / "model"
-MUTANTS = {  # mutant: the assertion its counterexample breaks
-    "MUTANT_TOKEN_BEFORE_LOCK": "token==seq",
-    "MUTANT_EXTEND_SHORTENS": "clock<trust",
-    "MUTANT_RELEASE_BY_NAME": "clock<trust",
-    "MUTANT_TRUST_FROM_REPLY": "clock<trust",
-    "MUTANT_NO_FENCE": "mine[me]>=wrote",
+MODELS = {  # model: {mutant: the assertion its counterexample breaks}
+    "lease.pml": {
+        "MUTANT_TOKEN_BEFORE_LOCK": "token==seq",
+        "MUTANT_EXTEND_SHORTENS": "clock<trust",
+        "MUTANT_RELEASE_BY_NAME": "clock<trust",
+        "MUTANT_TRUST_FROM_REPLY": "clock<trust",
+        "MUTANT_NO_FENCE": "mine[me]>=wrote",
+    },
+    "shared.pml": {
+        "MUTANT_WRITER_BESIDE_READERS": "kind[2]==1",
+        "MUTANT_IGNORE_LIMIT": "lim[1]<2",
+        "MUTANT_OWN_LIMIT": "lim[1]<2",
+    },
 }
+MUTANTS = {mutant: model for model, mutants in MODELS.items() for mutant in mutants}
 
 
 def _missing() -> str | None:
@@ -34,11 +42,11 @@ def _missing() -> str | None:
 needs_spin = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
 
 
-def verify(tmp_path: Path, *defines: str) -> tuple[str, Path]:
-    """Build and run the verifier of lease.pml (with ``defines``): its report, and its directory."""
-    shutil.copy(MODEL / "lease.pml", tmp_path / "lease.pml")
+def verify(tmp_path: Path, model: str, *defines: str) -> tuple[str, Path]:
+    """Build and run the verifier of ``model`` (with ``defines``): its report, and its directory."""
+    shutil.copy(MODEL / model, tmp_path / model)
     flags = [f"-D{d}" for d in defines]
-    subprocess.run(["spin", "-a", *flags, "lease.pml"], cwd=tmp_path, check=True, capture_output=True, timeout=60)
+    subprocess.run(["spin", "-a", *flags, model], cwd=tmp_path, check=True, capture_output=True, timeout=60)
     # SAFETY: assertions only; COLLAPSE: compressed states; MEMLIM: never more than 1 GB.
     subprocess.run(["gcc", "-O2", "-w", "-DSAFETY", "-DCOLLAPSE", "-DMEMLIM=1024", "-o", "pan", "pan.c"],
                    cwd=tmp_path, check=True, capture_output=True, timeout=120)
@@ -47,8 +55,10 @@ def verify(tmp_path: Path, *defines: str) -> tuple[str, Path]:
 
 
 @needs_spin
-def test_every_interleaving_within_the_bounds_keeps_the_properties(tmp_path: Path) -> None:
-    report, _ = verify(tmp_path)
+@pytest.mark.slow  # 5-20 s each: millions of states
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_interleaving_within_the_bounds_keeps_the_properties(tmp_path: Path, model: str) -> None:
+    report, _ = verify(tmp_path, model)
     assert "errors: 0" in report, report
     assert "reached -DMEMLIM bound" not in report, report  # exhaustive: the whole space was explored
     states = int(re.search(r"(\d+) states, stored", report).group(1))  # type: ignore[union-attr]
@@ -58,10 +68,11 @@ def test_every_interleaving_within_the_bounds_keeps_the_properties(tmp_path: Pat
 @needs_spin
 @pytest.mark.parametrize("mutant", sorted(MUTANTS))
 def test_each_known_bug_class_yields_a_counterexample(tmp_path: Path, mutant: str) -> None:
-    report, where = verify(tmp_path, mutant)
+    model = MUTANTS[mutant]
+    report, where = verify(tmp_path, model, mutant)
     assert "errors: 1" in report and "assertion violated" in report, report
-    assert MUTANTS[mutant] in report.replace(" ", ""), report
-    trail = subprocess.run(["spin", "-t", "-p", f"-D{mutant}", "lease.pml"], cwd=where, capture_output=True,
+    assert MODELS[model][mutant] in report.replace(" ", ""), report
+    trail = subprocess.run(["spin", "-t", "-p", f"-D{mutant}", model], cwd=where, capture_output=True,
                            text=True, timeout=60)
     assert "assertion violated" in trail.stdout, trail.stdout[-2000:]  # the steps that lead there, replayed
 
@@ -72,11 +83,11 @@ def test_the_model_names_every_statement_or_lists_it_as_not_modelled() -> None:
     statements = {f.name for cls in (Statements, QueueStatements) for f in dataclasses.fields(cls)}
     assert statements - listed == set(), "statements the model's table does not list"
     assert listed - statements - {m.removeprefix("MUTANT_") for m in MUTANTS} - set(MUTANTS) == set()
-    model = (MODEL / "lease.pml").read_text()
-    named = set(re.findall(r"\(models: ([^)]+)\)", model))
+    text = "".join((MODEL / model).read_text() for model in MODELS)
+    named = set(re.findall(r"\(models: ([^)]+)\)", text))
     steps = {name.strip() for text in named for name in text.replace(";", ",").split(",")}
     for step in steps:
         word = step.split()[0].rstrip(":")
         assert word in statements or word.startswith(("fencing.", "expiry", "retry")), step
-    for statement in ("acquire", "release", "extend", "extend_many"):
+    for statement in ("acquire", "release", "extend", "extend_many", "share_acquire", "share_release"):
         assert any(s.split()[0].rstrip(":") == statement for s in steps), f"no model step names {statement}"
