@@ -1,10 +1,10 @@
 #!/bin/sh
 # install-debian-package.sh PACKAGE PROGRAM TEST: installs Debian's PACKAGE, which provides
-# PROGRAM (a name on PATH, or a path), for TEST, which skips without it. Installs when run as
+# PROGRAM (a name on PATH, or a file), for TEST, which skips without it. Installs when run as
 # root on a machine with apt-get (as CI is); anywhere else it says what to do and carries on.
 # Always exits 0.
 package=$1 program=$2 test=$3
-if command -v "$program" >/dev/null 2>&1 || [ -x "$program" ]; then
+if command -v "$program" >/dev/null 2>&1 || [ -e "$program" ]; then
     exit 0
 fi
 hint="$package not installed (apt-get install $package): $test will skip"
