@@ -305,6 +305,8 @@ def handovers(args: argparse.Namespace, table: str) -> None:
 
 
 # -- 3. observe ----------------------------------------------------------------------------
+HEAR_WITHIN = 30.0  # seconds an observer has to hear a term before the run fails (a loaded machine is slow)
+
 class Hearing:
     """A thread that hears an election's terms: when it heard each (None: nobody leading)."""
 
@@ -338,7 +340,7 @@ class Hearing:
         """When ``term`` was heard, waiting up to ``timeout`` s."""
         with self.changed:
             if not self.changed.wait_for(lambda: term in self.heard or self.failed is not None, timeout):
-                raise SystemExit(f"{type(self).__name__} did not hear term {term} within {timeout:g} s")
+                raise SystemExit(f"{self!r} did not hear term {term} within {timeout:g} s (heard: {self.heard})")
         if self.failed is not None:
             raise SystemExit(f"{type(self).__name__} failed: {self.failed!r}")
         return self.heard[term]
@@ -346,6 +348,9 @@ class Hearing:
     def close(self, campaigner: Any) -> None:
         self.stop = True
         self.thread.join(self.interval * 3 + 5)
+
+    def __repr__(self) -> str:
+        return type(self).__name__
 
 
 class Observer(Hearing):
@@ -356,9 +361,13 @@ class Observer(Hearing):
 
         super().__init__()
         self.locker = Locker(url, table=table, notify=notify)
+        self.notify = notify
         self.election = self.locker.election(name)
         self.interval = interval
         self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"Observer({'NOTIFY' if self.notify else 'polling'})"
 
     def run(self) -> None:
         watching = self.election.observe(interval=self.interval)
@@ -373,9 +382,10 @@ class Observer(Hearing):
     def close(self, campaigner: Any) -> None:
         self.stop = True
         if self.failed is None and self.thread.is_alive():
-            leadership = campaigner.campaign(ttl=30, timeout=5)  # something to yield, so that it sees stop
+            # Something to yield, so that it sees stop (unless it saw it after its last yield and ended).
+            leadership = campaigner.campaign(ttl=30, timeout=5)
             try:
-                self.wait(leadership.term, self.interval * 2 + 5)
+                self.thread.join(HEAR_WITHIN)
             finally:
                 leadership.resign()
         super().close(campaigner)
@@ -424,15 +434,15 @@ def observing(args: argparse.Namespace, locker: Any, table: str) -> None:
     heard: dict[str, list[float]] = {label: [] for label in hearings}
     try:
         for label, _ in modes:
-            hearings[label].wait(None, 10)  # the first look: nobody leads
+            hearings[label].wait(None, HEAR_WITHIN)  # the first look: nobody leads
         for k in range(args.observations):
             for label, _ in (modes if k % 2 == 0 else list(reversed(modes))):
                 time.sleep(random.uniform(0, args.interval))  # anywhere in the observer's polling cycle
                 leadership = campaigners[label].campaign(value="bench", ttl=30, timeout=5)
                 returned = time.monotonic()
-                heard[label].append((hearings[label].wait(leadership.term, args.interval * 2 + 5) - returned) * 1000)
+                heard[label].append((hearings[label].wait(leadership.term, HEAR_WITHIN) - returned) * 1000)
                 if label == modes[0][0] and raw in hearings:
-                    heard[raw].append((hearings[raw].wait(leadership.term, 5) - returned) * 1000)
+                    heard[raw].append((hearings[raw].wait(leadership.term, HEAR_WITHIN) - returned) * 1000)
                 leadership.resign()
     finally:
         for label, hearing in hearings.items():
