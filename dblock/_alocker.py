@@ -439,20 +439,13 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
-        held: list[AsyncLease] = []
-        try:
-            for name in ordered:
-                lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold))
-                if lease is None:
-                    await release_all(held)
-                    return None
-                held.append(lease)
-                if renew:
-                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
-        except BaseException:
-            await self._give_back(held)
-            raise
-        return AsyncLeaseGroup(held)
+        renewal = (on_lost, on_expiring, expiring_margin) if renew else None
+
+        async def take(name: str) -> AsyncLease | None:
+            lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold))
+            return lease
+
+        return await self._take_all(ordered, take, renewal)
 
     async def acquire_all(
         self,
@@ -486,24 +479,23 @@ class AsyncLocker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         deadline = time.monotonic() + timeout
-        held: list[AsyncLease] = []
+        renewal = (on_lost, on_expiring, expiring_margin) if renew else None
+
+        async def take(name: str) -> AsyncLease:
+            left = max(deadline - time.monotonic(), 0.0)
+            lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+            return lease
+
         try:
-            for name in ordered:
-                left = max(deadline - time.monotonic(), 0.0)
-                lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, left))
-                held.append(lease)
-                if renew:
-                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
+            group = await self._take_all(ordered, take, renewal)
         except LockNotAcquired as exc:
-            await self._give_back(held)
-            taken = f"; the {len(held)} taken before it were released" if held else ""
+            before = ordered.index(exc.name) if exc.name in ordered else 0
+            taken = f"; the {before} taken before it were released" if before else ""
             raise LockNotAcquired(
                 exc.name, timeout, f"it is held by another owner (one of {len(ordered)} names asked for together){taken}"
             ) from exc
-        except BaseException:
-            await self._give_back(held)
-            raise
-        return AsyncLeaseGroup(held)
+        assert group is not None  # a waiting take returns a lease or raises
+        return group
 
     def lock_all(
         self,
@@ -529,6 +521,31 @@ class AsyncLocker:
             min_hold=check_min_hold(min_hold),
         )
         return _AsyncGroupContext(self, ordered, options)
+
+    async def _take_all(
+        self,
+        ordered: list[str],
+        take: Callable[[str], Any],
+        renewal: tuple[AsyncOnLost | None, AsyncOnLost | None, float | None] | None,
+    ) -> AsyncLeaseGroup | None:
+        """Take ``ordered`` names one by one (``take``: a lease, or None if the name is held), renewing
+        each from its grant (``renewal``: on_lost, on_expiring, expiring_margin; None: no renewal).
+        All of them, or None (a name was held) or an error with nothing held."""
+        held: list[AsyncLease] = []
+        try:
+            for name in ordered:
+                lease: AsyncLease | None = await take(name)
+                if lease is None:
+                    await self._give_back(held)
+                    return None
+                held.append(lease)
+                if renewal is not None:
+                    on_lost, on_expiring, margin = renewal
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=margin)
+        except BaseException:
+            await self._give_back(held)
+            raise
+        return AsyncLeaseGroup(held)
 
     async def _give_back(self, held: list[AsyncLease]) -> None:
         """Release what an ``acquire_all`` that failed had taken (a failed release is logged: its

@@ -60,6 +60,8 @@ class Keeper:
     def leave_inner(self, lease: Any) -> bool:
         """A release of ``lease``: True if it matches an inner acquire by its owner key (the lease
         stays, nothing is sent); False if it is the outermost (or the lease has ended)."""
+        if not self._entered:
+            return False  # no lease of this Locker was entered again: a release's usual case, no lock taken
         with self._entered_lock:
             depth = self._entered.pop(lease, 1)
             if depth <= 1 or lease.remaining() <= 0:

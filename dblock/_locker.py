@@ -438,20 +438,13 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
-        held: list[Lease] = []
-        try:
-            for name in ordered:
-                lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold))
-                if lease is None:
-                    release_all(held)
-                    return None
-                held.append(lease)
-                if renew:
-                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
-        except BaseException:
-            self._give_back(held)
-            raise
-        return LeaseGroup(held)
+        renewal = (on_lost, on_expiring, expiring_margin) if renew else None
+
+        def take(name: str) -> Lease | None:
+            lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold))
+            return lease
+
+        return self._take_all(ordered, take, renewal)
 
     def acquire_all(
         self,
@@ -485,24 +478,23 @@ class Locker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         deadline = time.monotonic() + timeout
-        held: list[Lease] = []
+        renewal = (on_lost, on_expiring, expiring_margin) if renew else None
+
+        def take(name: str) -> Lease:
+            left = max(deadline - time.monotonic(), 0.0)
+            lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+            return lease
+
         try:
-            for name in ordered:
-                left = max(deadline - time.monotonic(), 0.0)
-                lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, left))
-                held.append(lease)
-                if renew:
-                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
+            group = self._take_all(ordered, take, renewal)
         except LockNotAcquired as exc:
-            self._give_back(held)
-            taken = f"; the {len(held)} taken before it were released" if held else ""
+            before = ordered.index(exc.name) if exc.name in ordered else 0
+            taken = f"; the {before} taken before it were released" if before else ""
             raise LockNotAcquired(
                 exc.name, timeout, f"it is held by another owner (one of {len(ordered)} names asked for together){taken}"
             ) from exc
-        except BaseException:
-            self._give_back(held)
-            raise
-        return LeaseGroup(held)
+        assert group is not None  # a waiting take returns a lease or raises
+        return group
 
     def lock_all(
         self,
@@ -528,6 +520,31 @@ class Locker:
             min_hold=check_min_hold(min_hold),
         )
         return _GroupContext(self, ordered, options)
+
+    def _take_all(
+        self,
+        ordered: list[str],
+        take: Callable[[str], Any],
+        renewal: tuple[OnLost | None, OnLost | None, float | None] | None,
+    ) -> LeaseGroup | None:
+        """Take ``ordered`` names one by one (``take``: a lease, or None if the name is held), renewing
+        each from its grant (``renewal``: on_lost, on_expiring, expiring_margin; None: no renewal).
+        All of them, or None (a name was held) or an error with nothing held."""
+        held: list[Lease] = []
+        try:
+            for name in ordered:
+                lease: Lease | None = take(name)
+                if lease is None:
+                    self._give_back(held)
+                    return None
+                held.append(lease)
+                if renewal is not None:
+                    on_lost, on_expiring, margin = renewal
+                    lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=margin)
+        except BaseException:
+            self._give_back(held)
+            raise
+        return LeaseGroup(held)
 
     def _give_back(self, held: list[Lease]) -> None:
         """Release what an ``acquire_all`` that failed had taken (a failed release is logged: its
