@@ -279,6 +279,21 @@ def _os_user(directory: Path) -> list[str]:
     return [f"--user={_SERVER_OS_USER}"]
 
 
+def _tmpdir(directory: Path) -> Path:
+    """The server's own temporary directory, ``directory / "tmp"``, owned as ``directory`` is.
+
+    Not the shared ``/tmp``: bootstrap runs started at the same moment by other
+    test processes lost their temporary tables there now and then
+    (``Unknown table 'mysql.tmp_user_sys'``, the install aborted).
+    """
+    path = directory / "tmp"
+    if not path.exists():
+        path.mkdir(mode=0o700)
+        owner = directory.stat()
+        os.chown(path, owner.st_uid, owner.st_gid)
+    return path
+
+
 def _install(install_db: str, directory: Path, user_option: list[str], deadline: float, timeout: float) -> None:
     """Make the system tables in ``directory / "data"`` (about half a second)."""
     command = [
@@ -289,6 +304,7 @@ def _install(install_db: str, directory: Path, user_option: list[str], deadline:
         "--auth-root-authentication-method=normal",  # root@localhost and root@127.0.0.1, no password yet
         "--skip-test-db",
         "--skip-name-resolve",
+        f"--tmpdir={_tmpdir(directory)}",
         *_SETTINGS,
     ]
     log = directory / "install.log"
@@ -333,6 +349,7 @@ def _spawn(mariadbd: str, directory: Path, port: int, user_option: list[str]) ->
         f"--pid-file={directory / 'pid'}",
         "--skip-name-resolve",  # so that root@'127.0.0.1' is the account a TCP client logs in as
         f"--init-file={directory / 'init.sql'}",
+        f"--tmpdir={_tmpdir(directory)}",
         *_SETTINGS,
     ]
     # The server logs to stderr without --log-error: into a file we open, which
