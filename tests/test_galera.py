@@ -83,12 +83,16 @@ def install_audit(c: galera.Cluster, t: str) -> None:
 
     Replicated rows are applied without firing triggers (row-based replication): each change is
     logged once, by the node whose client made it. ``seq`` is no order: AUTO_INCREMENT values are
-    interleaved per node on Galera.
+    interleaved per node on Galera. Nor is it unique across nodes: when a node leaves, the others
+    are given a new increment and offset (wsrep_auto_increment_control), and a value one node
+    draws then may be one another node drew just before (a duplicate key that failed a worker's
+    grant in CI). The key is (node, seq): a node's own counter never goes back.
     """
     c.query(
         READER,
-        f"CREATE TABLE {t}_audit (seq BIGINT AUTO_INCREMENT PRIMARY KEY, node VARCHAR(64), op CHAR(1),"
-        " name VARCHAR(255), old_owner VARCHAR(32), new_owner VARCHAR(32), old_token BIGINT, new_token BIGINT)",
+        f"CREATE TABLE {t}_audit (seq BIGINT AUTO_INCREMENT, node VARCHAR(64), op CHAR(1),"
+        " name VARCHAR(255), old_owner VARCHAR(32), new_owner VARCHAR(32), old_token BIGINT, new_token BIGINT,"
+        " PRIMARY KEY (node, seq), KEY (seq))",
     )
     c.query(
         READER,
