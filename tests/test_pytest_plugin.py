@@ -15,7 +15,11 @@ import dblock.migrate
 from .conftest import Db
 from .docs import samples
 
-# pytester runs the user's tests in this process and then forgets the modules
+# The runs of a user's tests that use dblock's locks go in a process of their own
+# (runpytest_subprocess): in this process they would share its threads, its
+# exception hooks and the modules the suite's earlier tests loaded, and a CI run
+# saw the inner session crash while reporting an expected failure.
+# The in-process runs that remain: pytester runs the user's tests in this process and then forgets the modules
 # imported since it started. Alembic's `context` and `op` are module proxies
 # bound to one class: load them (and dblock.migrate, which uses them) before
 # any snapshot, or a later create_schema pairs a forgotten module with a fresh
@@ -88,7 +92,7 @@ def test_each_test_gets_a_fresh_schema(dblock_locker, n):
 def test_users_tests_run_on_the_fixtures(pg: Db, pytester: pytest.Pytester) -> None:
     """The example of docs/pytest.md passes; an unhandled FencedOut fails the user's test; schemas are fresh and dropped."""
     pytester.makepyfile(test_reports=readme_example(), test_more=MORE_TESTS)
-    result = pytester.runpytest("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
     result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*test_unhandled_fenced_out_fails_the_users_test*", "*FencedOut: fenced out*"])
     schemas = (pytester.path / "schemas.txt").read_text().split()
@@ -144,7 +148,7 @@ async def test_the_async_fixture_is_fresh(dblock_async_locker):
 
 def test_async_tests_run_on_the_async_fixtures(pg: Db, pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_async=ASYNC_TESTS)
-    result = pytester.runpytest("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--dblock-url={pg.url}")
     result.assert_outcomes(passed=4)
     assert pg.query("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'dblock_test_%%'") == []
 
