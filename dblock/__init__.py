@@ -24,11 +24,20 @@ from .errors import (
 if TYPE_CHECKING:
     from ._election import Election, Leadership
     from ._lease_state import Leader
-    from .aio import AsyncElection, AsyncLeadership, AsyncLease, AsyncLeaseGroup, AsyncLocker, AsyncShared
+    from .aio import (
+        AsyncElection,
+        AsyncLeadership,
+        AsyncLease,
+        AsyncLeaseGroup,
+        AsyncLocker,
+        AsyncShared,
+        AsyncUpgradeable,
+        AsyncUpgradeableLease,
+    )
     from .decorator import current_lease
     from .fencing import check_lease, commit_guard, fence, fenced, fenced_read, fenced_update, fenced_upsert
-    from .lease import Lease, LeaseGroup, LeaseInfo
-    from .locker import Locker, Shared
+    from .lease import Lease, LeaseGroup, LeaseInfo, UpgradeableLease
+    from .locker import Locker, Shared, Upgradeable
 
 _LAZY = {
     "AsyncElection": ".aio",
@@ -40,6 +49,8 @@ _LAZY = {
     "AsyncLeaseGroup": ".aio",
     "AsyncLocker": ".aio",
     "AsyncShared": ".aio",
+    "AsyncUpgradeable": ".aio",
+    "AsyncUpgradeableLease": ".aio",
     "current_lease": ".decorator",
     "check_lease": ".fencing",
     "commit_guard": ".fencing",
@@ -53,6 +64,8 @@ _LAZY = {
     "LeaseInfo": ".lease",
     "Locker": ".locker",
     "Shared": ".locker",
+    "Upgradeable": ".locker",
+    "UpgradeableLease": ".lease",
 }
 
 __all__ = [
@@ -62,6 +75,8 @@ __all__ = [
     "AsyncLeaseGroup",
     "AsyncLocker",
     "AsyncShared",
+    "AsyncUpgradeable",
+    "AsyncUpgradeableLease",
     "DBLockError",
     "DatabaseUnavailable",
     "Election",
@@ -78,6 +93,8 @@ __all__ = [
     "ReplicationWarning",
     "SchemaMissing",
     "Shared",
+    "Upgradeable",
+    "UpgradeableLease",
     "check_lease",
     "commit_guard",
     "current_lease",

@@ -295,10 +295,10 @@ class AsyncAcquirer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                if slot is not None and ident is not None:
+                if listener is not None and slot is not None and ident is not None:
                     # Woken by a hand-off's notification, or looking in case one was lost.
                     pause = core.look_pause(self.poll_max, ahead, wait, random.random())
-                    await aevent_wait(slot.event, min(pause, left))
+                    await listener.wait(slot, min(pause, left))
                     if slot.grant is not None:
                         token, expiry = slot.grant
                         try:

@@ -82,6 +82,7 @@ class AsyncDriver:
         self._cut = backend.caps.cut_statements  # else the database bounds a statement (a writer wait)
         if True:  # ASYNC
             self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False  # close() was called: a connection used since goes when its call ends
         self._reset()
 
     def _reset(self) -> None:
@@ -149,7 +150,7 @@ class AsyncDriver:
     async def _checkin(self, conn: _AConn) -> None:
         cond = self._cond  # bound at checkout, on this loop
         async with cond:
-            if self._pid == os.getpid() and not conn.cut:
+            if self._pid == os.getpid() and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
@@ -183,8 +184,11 @@ class AsyncDriver:
         return self._open if self._pid == os.getpid() else 0
 
     async def close(self) -> None:
-        """Close the idle connections (a forked child leaves its parent's alone)."""
+        """Close the idle connections (a forked child leaves its parent's alone). A call made
+        after this (a lease's release: a closed Locker still ends what it granted) closes its
+        connection when it ends, instead of leaving it idle in a pool nobody closes."""
         if self._pid == os.getpid():
+            self._closed = True
             await self._drain()
 
     # -- statements --------------------------------------------------------

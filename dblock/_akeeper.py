@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from . import _core as core
 from ._acompat import AMutex
-from ._core import Extended
+from ._core import Extended, Grant, Miss
 from .errors import DatabaseUnavailable
 
 if TYPE_CHECKING:
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 class AsyncKeeper:
     """One Locker's side of its leases of one kind (``shared``): release, extend, renewal's batches."""
 
-    __slots__ = ("locker", "renewer", "shared", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock")
+    __slots__ = (
+        "locker", "renewer", "shared", "partner", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock"
+    )
 
     def __init__(
         self, locker: Any, verbs: AsyncVerbs, cleanup: AsyncCleanup, acquirer: AsyncAcquirer, *, shared: bool
@@ -39,6 +41,9 @@ class AsyncKeeper:
         self.locker = locker  # the Locker whose leases these are (``lease.locker``)
         self.renewer: Any = None  # the Locker's renewal of this kind of lease, set by the Locker
         self.shared = shared  # a reader's or semaphore holder's leases: the shared statements
+        # The Locker's keeper of the other kind, set by the Locker: an upgradeable reader's lease
+        # moves to it when it upgrades, and back when it downgrades.
+        self.partner: AsyncKeeper | None = None
         self._verbs = verbs
         self._cleanup = cleanup
         self._acquirer = acquirer
@@ -116,6 +121,21 @@ class AsyncKeeper:
         """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""
         deadline = self._verbs.deadline() if deadline is None else deadline
         return await self._verbs.extend(name, owner, token, ttl, deadline, self.shared)
+
+    # -- the upgradeable read lock -------------------------------------------------
+    def pace(self) -> tuple[float, float]:
+        """The Locker's pauses between looks (``poll_min``, ``poll_max``): an upgrade's wait uses them."""
+        return self._acquirer.poll_min, self._acquirer.poll_max
+
+    async def upgrade(
+        self, name: str, owner: str, token: int, ttl: float, deadline: float
+    ) -> tuple[Grant | Miss | None, float]:
+        """One look of a wait to upgrade that ends at ``deadline`` (``AsyncVerbs.upgrade``)."""
+        return await self._verbs.upgrade(name, owner, token, ttl, self._verbs.bound(deadline))
+
+    async def downgrade(self, name: str, owner: str, token: int, ttl: float) -> Grant | None:
+        """Back to the upgradeable reader's lease, or its ask to upgrade withdrawn (``AsyncVerbs.downgrade``)."""
+        return await self._verbs.downgrade(name, owner, token, ttl, self._verbs.deadline())
 
     async def extend_many(
         self, leases: Sequence[AsyncLease], deadline: float

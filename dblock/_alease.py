@@ -7,16 +7,19 @@ whose ``Lease`` the sync face hands out, from this module's ``AsyncLease``).
 from __future__ import annotations
 
 import logging
+import random
+import time
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 
+from . import _core as core
 from . import metrics
-from ._acompat import AEvent
-from ._core import trusted_until
+from ._acompat import AEvent, asleep
+from ._core import Grant, trusted_until
 from ._lease_state import LeaseState, LeaseView
-from ._validate import check_callbacks, check_ttl
-from .errors import LeaseLost
+from ._validate import check_callbacks, check_timeout, check_ttl
+from .errors import DBLockError, LeaseLost, LockNotAcquired
 
 if TYPE_CHECKING:
     from ._akeeper import AsyncKeeper
@@ -209,4 +212,133 @@ class AsyncLease(LeaseView):
         return f"<AsyncLease {self.name!r} token={self.token} {self._status()}>"
 
 
-__all__ = ["AsyncLease", "AsyncOnLost"]
+class AsyncUpgradeableLease(AsyncLease):
+    """The upgradeable reader's lease (``locker.upgradeable_lock``): a read lease that can become
+    the write lease of its name without letting go (``upgrade``), and back (``downgrade``).
+
+    At most one upgradeable reader holds a name at a time, beside any number of readers; it
+    excludes writers as every reader does. ``shared`` says which it is now; ``token`` is the
+    token of what it is now, a new one after each change. Releasing ends whichever it is.
+    """
+
+    __slots__ = ()
+
+    async def upgrade(self, timeout: float | None = None) -> AsyncUpgradeableLease:
+        """Become the name's write lease: wait up to ``timeout`` s (default: the Locker's) for the
+        other readers to leave, while no new reader joins them; LockNotAcquired after, and the
+        lease stays the upgradeable reader's, readers welcome again. Returns this lease, now the
+        writer, with a new token larger than every earlier grant of the name (fence writes with
+        it). LeaseLost if the read lease ended first. A lease that writes already is returned as it is.
+        """
+        timeout = self._keeper.locker.timeout if timeout is None else check_timeout(timeout)
+        self._check_live("upgrade")
+        if not self.shared:
+            return self
+        keeper = self._keeper
+        deadline = time.monotonic() + timeout
+        delay, poll_max = keeper.pace()
+        asked = False  # a look has told the database to let no new reader in
+        try:
+            while True:
+                # Out of renewal while the look runs: no extend of the read lease lands after it changed.
+                renewing = self._pause_renewal()
+                try:
+                    outcome, sent_at = await keeper.upgrade(self.name, self.owner, self.token, self.ttl, deadline)
+                except BaseException:
+                    asked = True  # unsure what the look did: withdraw (or go back) below
+                    self._resume_renewal(renewing)
+                    raise
+                if isinstance(outcome, Grant):
+                    self._become(outcome, self._partner(), sent_at)
+                self._resume_renewal(renewing)
+                if outcome is None:
+                    self._lose()
+                    raise LeaseLost(f"lease on {self.name!r} (token {self.token}) ended before it could upgrade")
+                if isinstance(outcome, Grant):
+                    return self
+                asked = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LockNotAcquired(self.name, timeout, "other readers still hold it")
+                if self.remaining() <= 0:
+                    raise LeaseLost(f"lease on {self.name!r} (token {self.token}) ran out while it waited to upgrade")
+                pause = core.backoff(delay, outcome.wait, random.random())
+                delay = core.next_delay(delay, poll_max)
+                await asleep(min(pause, left, self.remaining()))
+        except BaseException:
+            if asked:
+                await self._withdraw()
+            raise
+
+    async def downgrade(self) -> AsyncUpgradeableLease:
+        """Back from the write lease to the upgradeable reader's lease: readers may join again
+        (those waiting in line are admitted). Returns this lease, shared again, with a new token.
+        LeaseLost if the write lease was released or taken over. A reader's lease is returned as it is.
+        """
+        self._check_live("downgrade")
+        if self.shared:
+            return self
+        renewing = self._pause_renewal()
+        sent_at = time.monotonic()
+        try:
+            back = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
+        except BaseException:
+            self._resume_renewal(renewing)
+            raise
+        if back is None:
+            self._lose()
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not downgraded")
+        self._become(back, self._partner(), sent_at)
+        self._resume_renewal(renewing)
+        return self
+
+    # -- between the two kinds ---------------------------------------------------------
+    def _check_live(self, verb: str) -> None:
+        self._state.check_process(self.name, verb)
+        if self._state.ended():
+            raise LeaseLost(f"lease on {self.name!r} (token {self.token}) has ended; nothing to {verb}")
+
+    def _partner(self) -> AsyncKeeper:
+        partner = self._keeper.partner
+        assert partner is not None, "the Locker pairs its keepers"
+        return partner
+
+    def _become(self, granted: Grant, keeper: AsyncKeeper, sent_at: float) -> None:
+        """Now the lease ``granted`` (a new token and expiry, trusted from ``sent_at``), of ``keeper``'s kind."""
+        self.token = granted.token
+        self._keeper = keeper
+        self._state.extended(granted.expires_at, self.ttl, sent_at)
+
+    def _pause_renewal(self) -> tuple[AsyncOnLost | None, AsyncOnLost | None, float | None] | None:
+        """Take the lease out of renewal (None: it was not renewing), so that no extend of what it
+        is now lands after it changed; what ``_resume_renewal`` needs to put it back."""
+        renewal, self._renewal = self._renewal, None
+        if renewal is None:
+            return None
+        self._keeper.renewer.drop(renewal)
+        return renewal.on_lost, renewal.on_expiring, renewal.margin
+
+    def _resume_renewal(self, renewing: tuple[AsyncOnLost | None, AsyncOnLost | None, float | None] | None) -> None:
+        if renewing is not None and self._renewal is None and not self._state.ended():
+            on_lost, on_expiring, margin = renewing
+            self._renewal = self._keeper.renewer.add(self, self._state, on_lost, on_expiring, margin)
+
+    async def _withdraw(self) -> None:
+        """After a wait to upgrade that ended without the write lease: readers welcome again (or, if
+        an unanswered look did upgrade, back to the reader's lease, with the token it got)."""
+        sent_at = time.monotonic()
+        try:
+            back = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
+        except DBLockError as exc:  # the wait's own error is the one to raise: this one is logged
+            release_log.warning(
+                "could not withdraw the ask to upgrade %r (%s): new readers wait until this lease ends or is released",
+                self.name, exc,
+            )
+            return
+        if back is None:
+            self._lose()
+        elif back.token != self.token:
+            self._become(back, self._keeper, sent_at)
+
+
+__all__ = ["AsyncLease", "AsyncOnLost", "AsyncUpgradeableLease"]

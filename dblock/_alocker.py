@@ -19,7 +19,7 @@ import warnings
 import weakref
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterable, NamedTuple, ParamSpec, TypeVar, cast
 
 from sqlalchemy.engine import URL, Engine
 
@@ -32,7 +32,7 @@ from ._acleanup import AsyncCleanup
 from ._acompat import ALock, AMutex, acurrent_worker, ato_thread
 from ._adriver import AsyncDriver
 from ._akeeper import AsyncKeeper
-from ._alease import AsyncLease, AsyncOnLost
+from ._alease import AsyncLease, AsyncOnLost, AsyncUpgradeableLease
 from ._arenew import AsyncRenewer
 from ._averbs import AsyncVerbs
 from ._await import AsyncHeartbeat, AsyncListener
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=AsyncLease, covariant=True)  # the lease a with-block gets
 
 release_log = logging.getLogger("dblock.release")
 log = logging.getLogger("dblock.locker")
@@ -165,6 +166,7 @@ class AsyncLocker:
         # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
         self.keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
         self.shared_keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
+        self.keeper.partner, self.shared_keeper.partner = self.shared_keeper, self.keeper
         # Renewal, one for both kinds of lease: the extends that fall due together go out in
         # batches (each kind in a statement of its own), on at most size - 1 connections.
         self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
@@ -358,7 +360,8 @@ class AsyncLocker:
 
     def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted, *, keyed: bool = False) -> AsyncLease:
         shared = core.shared_kind(attempt.limit)
-        lease = AsyncLease(
+        kind = AsyncUpgradeableLease if attempt.limit is core.UPGRADEABLE else AsyncLease
+        lease = kind(
             self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold,
             self.shared_keeper if shared else self.keeper,
         )
@@ -394,7 +397,7 @@ class AsyncLocker:
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
-    ) -> _AsyncLockContext:
+    ) -> _AsyncLockContext[AsyncLease]:
         """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error);
         on asyncio the context manager is an asynchronous one.
 
@@ -671,7 +674,7 @@ class AsyncLocker:
         return conn
 
     # -- shared leases -----------------------------------------------------
-    def semaphore(self, name: str, limit: int) -> AsyncShared:
+    def semaphore(self, name: str, limit: int) -> AsyncShared[AsyncLease]:
         """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
 
         The returned object has the Locker's verbs (``try_acquire``,
@@ -686,7 +689,7 @@ class AsyncLocker:
         check_name(name)
         return AsyncShared(self, name, check_limit(limit), self._measured, self._share_try, self._share_acquire)
 
-    def readers(self, name: str) -> AsyncShared:
+    def readers(self, name: str) -> AsyncShared[AsyncLease]:
         """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
 
         The write side is the exclusive lock of the same name (``acquire``,
@@ -698,6 +701,35 @@ class AsyncLocker:
         check_name(name)
         return AsyncShared(self, name, None, self._measured, self._share_try, self._share_acquire)
 
+    def upgradeable(self, name: str) -> AsyncUpgradeable:
+        """The upgradeable reader of ``name``: a reader (beside any number of others, never a
+        writer) of which at most one holds at a time, whose lease can become the write lease
+        without letting go (``lease.upgrade()``) and back (``lease.downgrade()``).
+
+        The returned object has the Locker's verbs without the name (``try_acquire``,
+        ``acquire``, ``lock``); its leases are ``AsyncUpgradeableLease``. On PostgreSQL
+        (``fair=True``) it waits in the name's one line with readers and writers.
+        """
+        check_name(name)
+        return AsyncUpgradeable(self, name, core.UPGRADEABLE, self._measured, self._share_try, self._share_acquire)
+
+    def upgradeable_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: AsyncOnLost | None = None,
+        on_expiring: AsyncOnLost | None = None,
+        expiring_margin: float | None = None,
+    ) -> _AsyncLockContext[AsyncUpgradeableLease]:
+        """``with locker.upgradeable_lock(name) as lease:`` the upgradeable reader's lease of ``name``
+        (see ``upgradeable``); ``lease.upgrade()`` makes it the writer. The exit releases it, whichever it is."""
+        return self.upgradeable(name).lock(
+            ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
+        )
+
     def read_lock(
         self,
         name: str,
@@ -708,7 +740,7 @@ class AsyncLocker:
         on_lost: AsyncOnLost | None = None,
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _AsyncLockContext:
+    ) -> _AsyncLockContext[AsyncLease]:
         """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
         return self.readers(name).lock(
             ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
@@ -724,7 +756,7 @@ class AsyncLocker:
         on_lost: AsyncOnLost | None = None,
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _AsyncLockContext:
+    ) -> _AsyncLockContext[AsyncLease]:
         """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
         return self.lock(
             name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
@@ -734,7 +766,7 @@ class AsyncLocker:
     async def _share_try(
         self,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         ttl: float | None,
         renew: bool,
         on_lost: AsyncOnLost | None,
@@ -751,7 +783,7 @@ class AsyncLocker:
     async def _share_acquire(
         self,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         ttl: float | None,
         timeout: float | None,
         renew: bool,
@@ -872,7 +904,7 @@ class AsyncLocker:
         return f"<AsyncLocker {self._driver.where} table={self.table!r}>"
 
 
-class _AsyncLockContext:
+class _AsyncLockContext(Generic[L]):
     __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renewal", "_hold", "_lease", "_acquire", "_owner")
 
     def __init__(
@@ -889,17 +921,18 @@ class _AsyncLockContext:
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout, self._owner = locker, name, ttl, timeout, owner
         self._renewal, self._hold = renewal, hold  # renew, on_lost, on_expiring, expiring_margin
-        self._lease: AsyncLease | None = None
+        self._lease: L | None = None
         self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
 
-    async def __aenter__(self) -> AsyncLease:
+    async def __aenter__(self) -> L:
         if self._acquire is not None:
-            self._lease = await self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
+            lease = await self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
         else:
-            self._lease = await self._locker.acquire(
+            lease = await self._locker.acquire(
                 self._name, ttl=self._ttl, timeout=self._timeout, min_hold=self._hold, owner=self._owner,
                 **self._renewal,
             )
+        self._lease = cast(L, lease)  # the kind the Locker's method that made this context promised
         return self._lease
 
     async def __aexit__(
@@ -929,25 +962,26 @@ class _AsyncGroupContext:
             await group.__aexit__(exc_type, exc, tb)
 
 
-class AsyncShared:
+class AsyncShared(Generic[L]):
     """Shared leases of one name: at most ``limit`` at once (None: a read lock's readers, no limit).
 
     Every lease it grants excludes the exclusive (write) lock of the same name,
     and has a token of its own, larger than every earlier grant of the name.
     """
 
-    __slots__ = ("locker", "name", "limit", "_measured", "_try", "_acquire")
+    __slots__ = ("locker", "name", "limit", "_want", "_measured", "_try", "_acquire")
 
     def __init__(
         self,
         locker: AsyncLocker,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         measured: Callable[..., Any],
         try_: Callable[..., Any],
         acquire: Callable[..., Any],
     ) -> None:
-        self.locker, self.name, self.limit = locker, name, limit
+        # ``limit``: None a reader, an int a semaphore slot, core.UPGRADEABLE the upgradeable reader.
+        self.locker, self.name, self.limit, self._want = locker, name, core.limit_bind(limit), limit
         # The Locker's own steps, handed over once (its metrics, one attempt, a wait), so that
         # this view of one name needs none of the Locker's private names.
         self._measured, self._try, self._acquire = measured, try_, acquire
@@ -960,10 +994,11 @@ class AsyncShared:
         on_lost: AsyncOnLost | None = None,
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> AsyncLease | None:
-        """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
-        lease: AsyncLease | None = await self._measured(
-            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost, on_expiring, expiring_margin)
+    ) -> L | None:
+        """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full
+        (or, for the upgradeable reader, another holds it, or it asks to upgrade)."""
+        lease: L | None = await self._measured(
+            self.name, lambda: self._try(self.name, self._want, ttl, renew, on_lost, on_expiring, expiring_margin)
         )
         return lease
 
@@ -976,7 +1011,7 @@ class AsyncShared:
         on_lost: AsyncOnLost | None = None,
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> AsyncLease:
+    ) -> L:
         """Wait up to ``timeout`` seconds; LockNotAcquired after.
 
         On PostgreSQL with ``fair=True`` it waits in the name's fair queue, in
@@ -984,9 +1019,9 @@ class AsyncShared:
         polls with backoff, never past a known expiry. On asyncio, cancelling
         the task leaves the queue and releases a lease granted meanwhile.
         """
-        lease: AsyncLease = await self._measured(
+        lease: L = await self._measured(
             self.name,
-            lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
+            lambda: self._acquire(self.name, self._want, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
         )
         return lease
 
@@ -999,7 +1034,7 @@ class AsyncShared:
         on_lost: AsyncOnLost | None = None,
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _AsyncLockContext:
+    ) -> _AsyncLockContext[L]:
         """``with sem.lock() as lease:`` acquires, and releases on exit (also on error; asynchronous on asyncio)."""
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         renewal = dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
@@ -1018,4 +1053,14 @@ class AsyncShared:
         return f"<AsyncShared {self.name!r} {kind}>"
 
 
-__all__ = ["Attempt", "AsyncLocker", "AsyncShared"]
+class AsyncUpgradeable(AsyncShared[AsyncUpgradeableLease]):
+    """The upgradeable reader of one name (``AsyncLocker.upgradeable``): its leases are
+    ``AsyncUpgradeableLease``, which ``upgrade`` to the write lease and ``downgrade`` back."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<AsyncUpgradeable {self.name!r}>"
+
+
+__all__ = ["Attempt", "AsyncLocker", "AsyncShared", "AsyncUpgradeable"]

@@ -66,7 +66,8 @@ class AsyncVerbs:
         waiting: bool = False,
         label: str | None = None,
     ) -> tuple[Grant | Miss, int | None, float]:
-        """One attempt (``limit`` False: the exclusive lock; None: a reader; an int: a semaphore slot).
+        """One attempt (``limit`` False: the exclusive lock; None: a reader; an int: a semaphore slot;
+        ``core.UPGRADEABLE``: the upgradeable reader).
 
         Returns the outcome, the slots a shared grant left free (None: no limit
         binds), and when the statement was sent.
@@ -76,6 +77,7 @@ class AsyncVerbs:
         sent_at = time.monotonic()
         if core.shared_kind(limit):
             params["limit"] = core.limit_bind(limit)
+            params["upgradeable"] = core.upgradeable_bind(limit)
             result = await self.driver.run(
                 sql.share_acquire, params, sql.share_holder, deadline=deadline, waiting=waiting
             )
@@ -108,6 +110,7 @@ class AsyncVerbs:
                     "proc": self._proc(), "lapse": self._lapse,
                     "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
                     "until": until, "seq": seq, "limit": core.limit_bind(limit),
+                    "upgradeable": core.upgradeable_bind(limit),
                 },
                 deadline=deadline,
                 waiting=True,
@@ -185,6 +188,40 @@ class AsyncVerbs:
             released = sql.share_released if shared else sql.released
             return self.backend.ended((await self.driver.run(released, key, deadline=deadline)).rows, held=False)
         return self.backend.ended(result.rows, held)
+
+    async def upgrade(
+        self, name: str, owner: str, token: int, ttl: float, deadline: float
+    ) -> tuple[Grant | Miss | None, float]:
+        """One attempt to turn the upgradeable reader's lease (``token``) into the write lease:
+        granted (the write lease's token and expiry), a miss (other holders; from now on no
+        shared lease of ``name`` is granted until this owner upgrades or withdraws), or None
+        (the read lease is gone); and when the statement was sent."""
+        sent_at = time.monotonic()
+        rows = (
+            await self.driver.run(
+                self.backend.sql.upgrade,
+                {"name": name, "owner": owner, "token": token, "ttl": ttl},
+                deadline=deadline,
+            )
+        ).rows
+        if not rows:
+            return None, sent_at
+        granted, new_token, expires_at, wait = rows[0]
+        if granted:
+            return Grant(int(new_token), core.when(expires_at)), sent_at
+        return Miss(None if wait is None else float(wait)), sent_at
+
+    async def downgrade(self, name: str, owner: str, token: int, ttl: float, deadline: float) -> Grant | None:
+        """The write lease (``token``) back to the upgradeable reader's lease, or that reader's ask to
+        upgrade withdrawn: its token and expiry; None if the lease was released or taken over."""
+        rows = (
+            await self.driver.run(
+                self.backend.sql.downgrade,
+                {"name": name, "owner": owner, "token": token, "ttl": ttl},
+                deadline=deadline,
+            )
+        ).rows
+        return Grant(int(rows[0][0]), core.when(rows[0][1])) if rows else None
 
     async def forget(self, name: str, owner: str, shared: bool = False) -> None:
         """After an attempt whose reply was lost: take ``owner`` out of ``name``'s queue, and end

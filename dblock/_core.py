@@ -71,9 +71,16 @@ def when(value: Any) -> datetime:
     return datetime.fromtimestamp(float(value), timezone.utc)
 
 
+# What a wait asks for (its ``limit``): False the exclusive lock, None a reader's lease, an
+# int a semaphore slot under that limit, and UPGRADEABLE the upgradeable reader's lease (a
+# reader's, of which one lives at a time, that may become the write lease).
+UPGRADEABLE = True
+
+
 def shared_kind(limit: int | None | bool) -> bool:
     """Whether a wait's ``limit`` asks for a shared lease: False is the exclusive lock's,
-    None a reader's, an int a semaphore's (the ``limit`` of both faces' waiting loops)."""
+    None a reader's, an int a semaphore's, UPGRADEABLE the upgradeable reader's (the
+    ``limit`` of both faces' waiting loops)."""
     return limit is not False
 
 
@@ -81,6 +88,11 @@ def limit_bind(limit: int | None | bool) -> int | None:
     """The ``limit`` bind of ``queue.share_enqueue`` / ``sql.share_acquire`` (``dblock.backends``)
     for a wait's ``limit``."""
     return None if isinstance(limit, bool) else limit
+
+
+def upgradeable_bind(limit: int | None | bool) -> bool:
+    """The ``upgradeable`` bind of ``queue.share_enqueue`` / ``sql.share_acquire`` for a wait's ``limit``."""
+    return limit is UPGRADEABLE
 
 
 class Ended(NamedTuple):

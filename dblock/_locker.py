@@ -21,7 +21,7 @@ import warnings
 import weakref
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, NamedTuple, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Iterable, NamedTuple, ParamSpec, TypeVar, cast
 
 from sqlalchemy.engine import URL, Engine
 
@@ -34,7 +34,7 @@ from ._cleanup import Cleanup
 from ._acompat import Lock, Mutex, current_worker, to_thread
 from ._driver import Driver
 from ._keeper import Keeper
-from ._lease import Lease, OnLost
+from ._lease import Lease, OnLost, UpgradeableLease
 from .renew import Renewer
 from ._verbs import Verbs
 from ._wait import Heartbeat, Listener
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=Lease, covariant=True)  # the lease a with-block gets
 
 release_log = logging.getLogger("dblock.release")
 log = logging.getLogger("dblock.locker")
@@ -164,6 +165,7 @@ class Locker:
         # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
         self.keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
         self.shared_keeper = Keeper(self, self._verbs, self._cleanup, self._acquirer, shared=True)
+        self.keeper.partner, self.shared_keeper.partner = self.shared_keeper, self.keeper
         # Renewal, one for both kinds of lease: the extends that fall due together go out in
         # batches (each kind in a statement of its own), on at most size - 1 connections.
         self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
@@ -357,7 +359,8 @@ class Locker:
 
     def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted, *, keyed: bool = False) -> Lease:
         shared = core.shared_kind(attempt.limit)
-        lease = Lease(
+        kind = UpgradeableLease if attempt.limit is core.UPGRADEABLE else Lease
+        lease = kind(
             self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold,
             self.shared_keeper if shared else self.keeper,
         )
@@ -393,7 +396,7 @@ class Locker:
         min_hold: float | None = None,
         blocking: bool = True,
         owner: str | None = None,
-    ) -> _LockContext:
+    ) -> _LockContext[Lease]:
         """``with locker.lock(name) as lease:`` acquires, and releases on exit (also on error);
         on asyncio the context manager is an asynchronous one.
 
@@ -643,7 +646,7 @@ class Locker:
         return conn
 
     # -- shared leases -----------------------------------------------------
-    def semaphore(self, name: str, limit: int) -> Shared:
+    def semaphore(self, name: str, limit: int) -> Shared[Lease]:
         """A counting semaphore: at most ``limit`` leases of ``name`` held at once.
 
         The returned object has the Locker's verbs (``try_acquire``,
@@ -658,7 +661,7 @@ class Locker:
         check_name(name)
         return Shared(self, name, check_limit(limit), self._measured, self._share_try, self._share_acquire)
 
-    def readers(self, name: str) -> Shared:
+    def readers(self, name: str) -> Shared[Lease]:
         """The read side of ``name``'s read/write lock: any number of readers, no writer, at once.
 
         The write side is the exclusive lock of the same name (``acquire``,
@@ -670,6 +673,35 @@ class Locker:
         check_name(name)
         return Shared(self, name, None, self._measured, self._share_try, self._share_acquire)
 
+    def upgradeable(self, name: str) -> Upgradeable:
+        """The upgradeable reader of ``name``: a reader (beside any number of others, never a
+        writer) of which at most one holds at a time, whose lease can become the write lease
+        without letting go (``lease.upgrade()``) and back (``lease.downgrade()``).
+
+        The returned object has the Locker's verbs without the name (``try_acquire``,
+        ``acquire``, ``lock``); its leases are ``UpgradeableLease``. On PostgreSQL
+        (``fair=True``) it waits in the name's one line with readers and writers.
+        """
+        check_name(name)
+        return Upgradeable(self, name, core.UPGRADEABLE, self._measured, self._share_try, self._share_acquire)
+
+    def upgradeable_lock(
+        self,
+        name: str,
+        *,
+        ttl: float | None = None,
+        timeout: float | None = None,
+        renew: bool = False,
+        on_lost: OnLost | None = None,
+        on_expiring: OnLost | None = None,
+        expiring_margin: float | None = None,
+    ) -> _LockContext[UpgradeableLease]:
+        """``with locker.upgradeable_lock(name) as lease:`` the upgradeable reader's lease of ``name``
+        (see ``upgradeable``); ``lease.upgrade()`` makes it the writer. The exit releases it, whichever it is."""
+        return self.upgradeable(name).lock(
+            ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
+        )
+
     def read_lock(
         self,
         name: str,
@@ -680,7 +712,7 @@ class Locker:
         on_lost: OnLost | None = None,
         on_expiring: OnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _LockContext:
+    ) -> _LockContext[Lease]:
         """``with locker.read_lock(name) as lease:`` a shared lease of ``name`` (see ``readers``)."""
         return self.readers(name).lock(
             ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin
@@ -696,7 +728,7 @@ class Locker:
         on_lost: OnLost | None = None,
         on_expiring: OnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _LockContext:
+    ) -> _LockContext[Lease]:
         """``with locker.write_lock(name) as lease:`` the same as ``lock(name)``: a write lock is the exclusive lock."""
         return self.lock(
             name, ttl=ttl, timeout=timeout, renew=renew, on_lost=on_lost, on_expiring=on_expiring,
@@ -706,7 +738,7 @@ class Locker:
     def _share_try(
         self,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         ttl: float | None,
         renew: bool,
         on_lost: OnLost | None,
@@ -723,7 +755,7 @@ class Locker:
     def _share_acquire(
         self,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         ttl: float | None,
         timeout: float | None,
         renew: bool,
@@ -844,7 +876,7 @@ class Locker:
         return f"<Locker {self._driver.where} table={self.table!r}>"
 
 
-class _LockContext:
+class _LockContext(Generic[L]):
     __slots__ = ("_locker", "_name", "_ttl", "_timeout", "_renewal", "_hold", "_lease", "_acquire", "_owner")
 
     def __init__(
@@ -861,17 +893,18 @@ class _LockContext:
     ) -> None:
         self._locker, self._name, self._ttl, self._timeout, self._owner = locker, name, ttl, timeout, owner
         self._renewal, self._hold = renewal, hold  # renew, on_lost, on_expiring, expiring_margin
-        self._lease: Lease | None = None
+        self._lease: L | None = None
         self._acquire = acquire  # a shared lease's acquire (bound to its name); None: the exclusive lock's
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> L:
         if self._acquire is not None:
-            self._lease = self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
+            lease = self._acquire(ttl=self._ttl, timeout=self._timeout, **self._renewal)
         else:
-            self._lease = self._locker.acquire(
+            lease = self._locker.acquire(
                 self._name, ttl=self._ttl, timeout=self._timeout, min_hold=self._hold, owner=self._owner,
                 **self._renewal,
             )
+        self._lease = cast(L, lease)  # the kind the Locker's method that made this context promised
         return self._lease
 
     def __exit__(
@@ -901,25 +934,26 @@ class _GroupContext:
             group.__exit__(exc_type, exc, tb)
 
 
-class Shared:
+class Shared(Generic[L]):
     """Shared leases of one name: at most ``limit`` at once (None: a read lock's readers, no limit).
 
     Every lease it grants excludes the exclusive (write) lock of the same name,
     and has a token of its own, larger than every earlier grant of the name.
     """
 
-    __slots__ = ("locker", "name", "limit", "_measured", "_try", "_acquire")
+    __slots__ = ("locker", "name", "limit", "_want", "_measured", "_try", "_acquire")
 
     def __init__(
         self,
         locker: Locker,
         name: str,
-        limit: int | None,
+        limit: int | None | bool,
         measured: Callable[..., Any],
         try_: Callable[..., Any],
         acquire: Callable[..., Any],
     ) -> None:
-        self.locker, self.name, self.limit = locker, name, limit
+        # ``limit``: None a reader, an int a semaphore slot, core.UPGRADEABLE the upgradeable reader.
+        self.locker, self.name, self.limit, self._want = locker, name, core.limit_bind(limit), limit
         # The Locker's own steps, handed over once (its metrics, one attempt, a wait), so that
         # this view of one name needs none of the Locker's private names.
         self._measured, self._try, self._acquire = measured, try_, acquire
@@ -932,10 +966,11 @@ class Shared:
         on_lost: OnLost | None = None,
         on_expiring: OnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> Lease | None:
-        """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full."""
-        lease: Lease | None = self._measured(
-            self.name, lambda: self._try(self.name, self.limit, ttl, renew, on_lost, on_expiring, expiring_margin)
+    ) -> L | None:
+        """One attempt: a lease, or None if a writer holds the name, someone waits in the fair queue, or it is full
+        (or, for the upgradeable reader, another holds it, or it asks to upgrade)."""
+        lease: L | None = self._measured(
+            self.name, lambda: self._try(self.name, self._want, ttl, renew, on_lost, on_expiring, expiring_margin)
         )
         return lease
 
@@ -948,7 +983,7 @@ class Shared:
         on_lost: OnLost | None = None,
         on_expiring: OnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> Lease:
+    ) -> L:
         """Wait up to ``timeout`` seconds; LockNotAcquired after.
 
         On PostgreSQL with ``fair=True`` it waits in the name's fair queue, in
@@ -956,9 +991,9 @@ class Shared:
         polls with backoff, never past a known expiry. On asyncio, cancelling
         the task leaves the queue and releases a lease granted meanwhile.
         """
-        lease: Lease = self._measured(
+        lease: L = self._measured(
             self.name,
-            lambda: self._acquire(self.name, self.limit, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
+            lambda: self._acquire(self.name, self._want, ttl, timeout, renew, on_lost, on_expiring, expiring_margin),
         )
         return lease
 
@@ -971,7 +1006,7 @@ class Shared:
         on_lost: OnLost | None = None,
         on_expiring: OnLost | None = None,
         expiring_margin: float | None = None,
-    ) -> _LockContext:
+    ) -> _LockContext[L]:
         """``with sem.lock() as lease:`` acquires, and releases on exit (also on error; asynchronous on asyncio)."""
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         renewal = dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
@@ -990,4 +1025,14 @@ class Shared:
         return f"<Shared {self.name!r} {kind}>"
 
 
-__all__ = ["Attempt", "Locker", "Shared"]
+class Upgradeable(Shared[UpgradeableLease]):
+    """The upgradeable reader of one name (``Locker.upgradeable``): its leases are
+    ``UpgradeableLease``, which ``upgrade`` to the write lease and ``downgrade`` back."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<Upgradeable {self.name!r}>"
+
+
+__all__ = ["Attempt", "Locker", "Shared", "Upgradeable"]

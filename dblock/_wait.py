@@ -11,14 +11,20 @@ own (the backend names it: ``Backend.listen``). Its waiters' owner ids start
 with the listener's id, so a fair release, which hands the lease to the first
 live waiter in the same statement, notifies exactly that process; the
 listener reads it and wakes exactly the waiter with that owner id. Other
-processes' listeners (and their database sessions) stay sleep. Waiters
+processes' listeners (and their database sessions) stay sleep. With asyncio a
+task of the listener reads the connection; with threads a waiter does, while no
+other does (``Listener.wait``), so the hand-off wakes the waiting thread
+from its socket, not a listener thread that must then wake it. Waiters
 register before they send their enqueue, so a hand-off that lands before the
 waiter starts to sleep is kept, not lost. A notification can still be lost
 (the connection breaks, a pooling proxy swallows LISTEN); waiters therefore
 also wake at the current lease's known expiry and on a jittered fallback
 interval, and a poll finds the lease theirs (the same owner retrying is
 granted it). The listener closes itself when nobody has waited for
-``IDLE_CLOSE`` seconds.
+``IDLE_CLOSE`` seconds: PostgreSQL signals every LISTENing session of the
+database at each NOTIFY, so an idle listener would cost every hand-off of
+every process (about 14 us each, ``benchmarks/idle_listeners.py``); the next
+wait pays one connection instead, while a lease it waits for is held anyway.
 
 ``Heartbeat``: keeps one row per Locker process fresh while it has fair
 waiters, so a frozen process's waiters lapse without each being refreshed.
@@ -38,7 +44,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._acompat import Event, Mutex, Worker, sleep, spawn, stop, running, shutdown_socket
+from ._acompat import Event, Mutex, Worker, event_wait, sleep, spawn, stop, running, shutdown_socket
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -46,18 +52,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("dblock.wait")
 
 ID_LENGTH = 16  # hex digits: 64 random bits per listener, then 64 per wait
-IDLE_CLOSE = 30.0  # seconds without waiters before the listener connection closes
+IDLE_CLOSE = 1.0  # seconds without waiters before the listener connection closes
 _POLL = 0.25  # how often the listener looks up from its connection to check for idleness
 
 
 class Slot:
     """One waiter's mailbox: the hand-off it was sent, and an Event to sleep on."""
 
-    __slots__ = ("event", "grant")
+    __slots__ = ("event", "grant", "nudged", "dozing")
 
     def __init__(self) -> None:
         self.event = Event()
         self.grant: tuple[int, float] | None = None  # (token, expiry as database epoch seconds)
+        self.nudged = False  # threads: woken to take over reading the connection, nothing handed
+        self.dozing = False  # threads: sleeping on the event while another waiter reads
 
 
 class Listener:
@@ -77,6 +85,8 @@ class Listener:
         self._stop = False
         self._starting = False  # a waiter is connecting the listener (outside the lock)
         self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
+        self._reader: Slot | None = None  # threads: the waiter reading the connection now
+        self._tick = Event()  # wakes the listener thread at once: close()
         self._pid = os.getpid()
         self._id = secrets.token_hex(ID_LENGTH // 2)  # after a fork: the parent's channel is the parent's
 
@@ -117,6 +127,7 @@ class Listener:
             if running(self._worker) or self._starting or time.monotonic() < self._next_start:
                 return
             self._starting, self._stop = True, False
+            self._tick.clear()
         conn, ident = None, None
         try:
             conn = self._connect(deadline)
@@ -155,33 +166,124 @@ class Listener:
             return len(self._slots)
 
     # -- the listener ------------------------------------------------------------
-    def _run(self, conn: Any) -> None:
-        idle_since: float | None = None
-        failed: Exception | None = None
-        try:
-            while not self._stop:
-                for note in conn.notifies(timeout=_POLL):
-                    self._dispatch(note.payload)
+    def wait(self, slot: Slot, timeout: float) -> None:
+        """Sleep until ``slot`` is handed a lease (or woken to look), for at most ``timeout`` s.
+
+        With asyncio the listener task reads the connection and sets the slot's
+        event. With threads a waiter reads the connection itself while no other waiter
+        does, so a hand-off wakes one thread (the waiter, from its socket), not
+        the listener thread and then the waiter, two wake-ups that cost about
+        0.1 ms each here. The other waiters sleep on their events, set by the
+        reader that reads their hand-offs, and one of them takes over reading
+        when the reader leaves.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if slot.event.is_set() and slot.nudged and slot.grant is None:
+                    slot.event.clear()  # only told to read: the reader left
+                slot.nudged = False
+                if slot.grant is not None or slot.event.is_set() or time.monotonic() >= deadline:
+                    self._nudge()  # the next reader, if we were told to be it
+                    return
+                conn = self._conn
+                lead = conn is not None and self._reader is None and not self._stop
+                if lead:
+                    self._reader = slot
+                slot.dozing = not lead
+            if lead:
+                self._read(conn, slot, deadline)
+            else:
+                event_wait(slot.event, deadline - time.monotonic())
                 with self._lock:
-                    if self._slots:
-                        idle_since = None
-                        continue
-                    now = time.monotonic()
-                    if idle_since is None:
-                        idle_since = now
-                    elif now - idle_since >= IDLE_CLOSE:
-                        break
-        except Exception as exc:  # noqa: BLE001 - the connection broke: wake everyone to poll
+                    slot.dozing = False
+
+    def _read(self, conn: Any, slot: Slot, deadline: float) -> None:
+        """Read hand-offs for every waiter until ``slot``'s comes (or ``deadline``); then
+        hand reading over. Whoever finds the connection broken (or closing) closes it."""
+        failed: Exception | None = None
+        whole = False  # read to the end of a batch, not interrupted mid-read
+        try:
+            while not slot.event.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for note in conn.notifies(timeout=left, stop_after=1):  # a whole batch, never cut
+                    self._dispatch(note.payload)
+            whole = True
+        except Exception as exc:  # noqa: BLE001 - the connection broke: everyone polls
             failed = exc
         finally:
-            self._retire(conn)
-        if failed is not None and not self._stop:  # not close() cutting it short on purpose
-            # Retired first: a waiter woken now finds no listening session and polls (or revives it).
-            log.warning("the lock listener's connection failed (%s); waiters poll until it is back", failed)
             with self._lock:
-                slots = list(self._slots.values())
-            for slot in slots:
-                slot.event.set()
+                self._reader = None
+                closing = not whole or self._stop or self._conn is not conn
+                if closing:
+                    if self._conn is conn:
+                        self._conn, self._ident, self._worker = None, None, None
+                    _close(conn)  # under the lock, as in _retire: close() may be shutting its socket
+                else:
+                    self._nudge()
+            if failed is not None and not self._stop:
+                self._failed(failed)
+            elif not whole and not self._stop:
+                # Interrupted mid-read (KeyboardInterrupt, say): the connection is gone, so
+                # the others poll (or start a new listener) instead of sleeping on.
+                self._wake_all()
+
+    def _nudge(self) -> None:
+        """Under the lock: while nobody reads, wake a sleeping waiter to read."""
+        if self._reader is not None or self._conn is None or self._stop:
+            return
+        slots = self._slots.values()
+        if any(s.nudged for s in slots):
+            return  # one is on its way
+        for s in slots:
+            if s.dozing and not s.event.is_set():
+                s.nudged = True
+                s.event.set()
+                return
+
+    def _run(self, conn: Any) -> None:
+        self._watch(conn)
+
+    def _idle(self, since: float | None) -> float | None:
+        """Under the lock: when the listener's idle spell began (``since``, or now), or None
+        while anyone waits."""
+        if self._slots:
+            return None
+        return time.monotonic() if since is None else since
+
+    def _failed(self, exc: Exception) -> None:
+        # Retired first: a waiter woken now finds no listening session and polls (or revives it).
+        log.warning("the lock listener's connection failed (%s); waiters poll until it is back", exc)
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            slot.event.set()
+
+    def _watch(self, conn: Any) -> None:
+        """The listener thread: it reads nothing (the waiters do), and closes the connection
+        once nobody has waited for IDLE_CLOSE s, or at close()."""
+        idle_since: float | None = None
+        while True:
+            self._tick.wait(_POLL)
+            with self._lock:
+                if self._conn is not conn:
+                    return  # a reader found it broken and closed it
+                if self._stop and self._reader is not None:
+                    return  # the reader, woken by close(), closes it on its way out
+                if not self._stop:
+                    idle_since = self._idle(idle_since)
+                    if idle_since is None or time.monotonic() - idle_since < IDLE_CLOSE:
+                        continue
+                # Nobody waits, so nobody reads. Under the lock: a waiter registering from now
+                # on names no session (it polls, and its next look starts a new listener).
+                self._conn, self._ident, self._worker = None, None, None
+                _close(conn)  # under the lock, as in _retire
+                return
 
     def _retire(self, conn: Any) -> None:
         # The next register() starts a new listener. Closed under the lock: close() shuts
@@ -197,12 +299,12 @@ class Listener:
             log.warning("ignored a malformed hand-off notification %r", payload)
             return
         owner, token, expiry = handed
-        with self._lock:
+        with self._lock:  # with the grant, under the lock: a waiter told only to read clears its event under it
             slot = self._slots.get(owner)
-        if slot is None:
-            return  # a hand-off to another process, or to a waiter that already polled it
-        slot.grant = (token, expiry)
-        slot.event.set()
+            if slot is None:
+                return  # a hand-off to another process, or to a waiter that already polled it
+            slot.grant = (token, expiry)
+            slot.event.set()
 
     def close(self) -> None:
         """End the listener session now: no waiting for its next look-up."""
@@ -212,7 +314,8 @@ class Listener:
             self._stop = True
             worker, conn = self._worker, self._conn
             if conn is not None:
-                shutdown_socket(conn)  # wakes the listener at once, waiting or reading
+                shutdown_socket(conn)  # wakes the listener (or the waiter reading) at once
+            self._tick.set()
         stop(worker, 2 * _POLL + 1)
 
     def _after_fork(self) -> None:

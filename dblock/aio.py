@@ -23,16 +23,17 @@ from typing import Any
 
 from ._aelection import AsyncElection, AsyncLeadership
 from ._agroup import AsyncLeaseGroup
-from ._alease import AsyncLease, AsyncOnLost
-from ._alocker import AsyncLocker, AsyncShared
+from ._alease import AsyncLease, AsyncOnLost, AsyncUpgradeableLease
+from ._alocker import AsyncLocker, AsyncShared, AsyncUpgradeable
 
 __all__ = [
     "AsyncElection", "AsyncLeadership", "AsyncLease", "AsyncLeaseGroup", "AsyncLocker", "AsyncOnLost", "AsyncShared",
+    "AsyncUpgradeable", "AsyncUpgradeableLease",
     "check_lease", "commit_guard", "fence", "fenced", "fenced_read", "fenced_session", "fenced_update", "fenced_upsert",
 ]
 # Fenced writes on AsyncConnection / AsyncSession (``aio_fencing``), loaded on first use;
 # ``fenced`` (which only builds a statement) is the sync module's own.
-_FENCING = {name: ".aio_fencing" for name in __all__[7:]} | {"fenced": ".fencing"}
+_FENCING = {name: ".aio_fencing" for name in __all__[9:]} | {"fenced": ".fencing"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,10 @@ faces' leases share (``LeaseInfo``, ``LeaseState``, ``LeaseView``) is in
 from __future__ import annotations
 
 from ._group import LeaseGroup
-from ._lease import Lease
+from ._lease import Lease, UpgradeableLease
 from ._lease_state import LeaseInfo, LeaseState, LeaseView
 from .errors import LeaseLost
 from .renew import OnLost, Renewal
 
-__all__ = ["Lease", "LeaseGroup", "LeaseInfo", "LeaseLost", "LeaseState", "LeaseView", "OnLost", "Renewal"]
+__all__ = ["Lease", "LeaseGroup", "LeaseInfo", "LeaseLost", "LeaseState", "LeaseView", "OnLost", "Renewal",
+           "UpgradeableLease"]

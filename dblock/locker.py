@@ -12,10 +12,10 @@ from ._core import OUTAGE_RETRY_MAX as OUTAGE_RETRY_MAX  # importable here as be
 from ._core import Extended as Extended
 from ._defaults import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
 from ._keeper import Keeper
-from ._locker import Attempt, Locker, Shared
+from ._locker import Attempt, Locker, Shared, Upgradeable
 from ._process import describe_process as describe_process  # importable here as before
 
 __all__ = [
     "DEFAULT_MAX_CONNECTIONS", "DEFAULT_OP_TIMEOUT", "DEFAULT_TTL", "Attempt", "Keeper", "Locker", "Shared",
-    "make_schema",
+    "Upgradeable", "make_schema",
 ]

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -105,7 +106,8 @@ def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadat
     at ``start``; NULL when it polls) exists, and its own deadline (``until``)
     has not passed. Every change happens under the lock row's lock. Readers and
     semaphore waiters (``shared``, with the semaphore's ``lim``) wait in the same
-    line as writers (migration 0008).
+    line as writers (migration 0008), and so does an upgradeable reader
+    (``upgradeable``, migration 0010).
     """
     md = metadata if metadata is not None else MetaData()
     return Table(
@@ -122,6 +124,7 @@ def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadat
         Column("until", DateTime(timezone=True), nullable=True),
         Column("shared", Boolean, nullable=False, server_default=false()),
         Column("lim", Integer, nullable=True),
+        Column("upgradeable", Boolean, nullable=False, server_default=false()),
         PrimaryKeyConstraint("name", "seq"),
         schema=schema,
     )
@@ -147,6 +150,12 @@ def procs_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata:
 # Never a real owner (those are 32 hex digits), so no exclusive release or extend matches it.
 SHARED_OWNER = "*shared"
 
+# PostgreSQL (migration 0011): a listener session holds the advisory lock (LISTENER_LOCK, its pid)
+# for as long as it lives, so a hand-off tells a live waiter's listener in O(1), by failing to
+# take that lock shared, instead of reading every session's status. The two-int form, whose
+# keys never meet pg_advisory_lock(bigint)'s; 0x64626c6b is "dblk".
+LISTENER_LOCK = 0x64626C6B
+
 
 def holders_table_name(table: str) -> str:
     return f"{table}_holders"
@@ -162,10 +171,18 @@ def shared_queue_function_names(table: str) -> tuple[str, str]:
     return f"{table}_admit", f"{table}_share_enqueue"
 
 
+def upgrade_function_names(table: str) -> tuple[str, str]:
+    """PostgreSQL's functions of the upgradeable read lock (migration 0010): (upgrade, downgrade)."""
+    return f"{table}_upgrade", f"{table}_downgrade"
+
+
 def holders_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
     """Shared leases (migration 0007): one row per read lock or semaphore slot held.
 
     ``lim`` is the limit the holder was granted under (NULL: a reader, no limit).
+    ``upgradeable`` (migration 0010): 0 for a reader or a semaphore holder; 1 for
+    the name's upgradeable reader (at most one lives at a time); 2 while that
+    reader asks to upgrade, when no shared lease of the name is granted.
     While any of a name's holders is live, the name's row in the lock table has
     owner ``SHARED_OWNER``, the newest shared grant's token and an ``expires_at``
     no earlier than every live holder's: an exclusive (write) acquire sees the
@@ -183,6 +200,7 @@ def holders_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadat
         Column("expires_at", Timestamp, nullable=False),
         Column("label", String(LABEL_LENGTH), nullable=True),
         Column("lim", Integer, nullable=True),
+        Column("upgradeable", SmallInteger, nullable=False, server_default=text("0")),
         PrimaryKeyConstraint("name", "owner"),
         schema=schema,
     )

@@ -74,8 +74,9 @@ end:  /* a client may stop anywhere in this loop: a valid end state */
 #endif
                     assert(token == seq)  /* each grant's token is larger than every earlier one */
                 fi;
+                /* a retry by the owner never shortens its lease; a new owner's lease is clock + ttl */
+                if :: owner != me || expires < clock + ttl -> expires = clock + ttl :: else -> skip fi;
                 owner = me;
-                if :: expires < clock + ttl -> expires = clock + ttl :: else -> skip fi;
                 t = token;  /* the reply carries the row's token as this statement left it */
                 replied = true
             :: else -> replied = false  /* a miss: held by another, unexpired */
@@ -130,7 +131,7 @@ end:  /* a client may stop anywhere in this loop: a valid end state */
 #ifdef MUTANT_RELEASE_BY_NAME
             owner = 0;
 #else
-            if :: owner == me && token == mine[me] -> owner = 0 :: else -> skip fi;
+            if :: owner == me && token == mine[me] -> owner = 0; expires = 0 :: else -> skip fi;  /* the lease is cleared */
 #endif
             held[me] = false
         }

@@ -118,7 +118,22 @@ end:
         atomic { if :: owner == me -> owner = 0 :: else -> skip fi; kind[me] = 0; lim[me] = 0; trust[me] = 0 }
     :: kind[me] == 2 ->
         /* a shared release (models: share_release) */
-        atomic { holds[me] = false; hlimit[me] = 0; hexp[me] = 0; kind[me] = 0; lim[me] = 0; trust[me] = 0 }
+        atomic {
+            if
+            :: holds[me] && owner == SHARED ->
+                holds[me] = false; hexp[me] = 0;
+                /* the row keeps the latest live holder's expiry, or is free when none is left */
+                expires = 0; i = 1;
+                do
+                :: i <= N -> if :: live(i) && hexp[i] > expires -> expires = hexp[i] :: else -> skip fi; i++
+                :: else -> break
+                od;
+                if :: expires == 0 -> owner = 0 :: else -> skip fi;
+                i = 0
+            :: else -> skip  /* forgotten after it ran out, or a writer took over */
+            fi;
+            hlimit[me] = 0; kind[me] = 0; lim[me] = 0; trust[me] = 0
+        }
     od
 }
 

@@ -71,15 +71,19 @@ class Wire:
         return outcome
 
     def share(
-        self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0
+        self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0, *, upgradeable: bool = False
     ) -> tuple[Grant | Miss, int | None]:
-        binds = {"name": name, "owner": owner, "ttl": ttl, "label": "contract", "limit": limit}
+        binds = {
+            "name": name, "owner": owner, "ttl": ttl, "label": "contract", "limit": limit, "upgradeable": upgradeable
+        }
         rows = self.run(self.sql.share_acquire, **binds)
         holder = self.run(self.sql.share_holder, **binds) if self.sql.share_holder is not None and not rows else []
         return self.backend.share_acquired(rows, holder)
 
-    def share_grant(self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0) -> Grant:
-        outcome, _ = self.share(name, owner, limit, ttl)
+    def share_grant(
+        self, name: str, owner: str, limit: int | None = None, ttl: float = 60.0, *, upgradeable: bool = False
+    ) -> Grant:
+        outcome, _ = self.share(name, owner, limit, ttl, upgradeable=upgradeable)
         assert isinstance(outcome, Grant), outcome
         return outcome
 
@@ -487,6 +491,140 @@ def test_shared_grants_draw_larger_tokens(db: Db, wire: Wire) -> None:
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
 
 
+# -- the upgradeable read lock (upgrade, downgrade) -----------------------------------------
+def upgrade(wire: Wire, name: str, who: str, token: int, ttl: float = 60.0) -> Grant | Miss | None:
+    """One upgrade, decoded as the verbs decode it: the write lease, a miss (with its wait), or None."""
+    rows = wire.run(wire.sql.upgrade, name=name, owner=who, token=token, ttl=ttl)
+    if not rows:
+        return None
+    granted, token_, expires_at, wait = rows[0]
+    return Grant(int(token_), when(expires_at)) if granted else Miss(None if wait is None else float(wait))
+
+
+def downgrade(wire: Wire, name: str, who: str, token: int, ttl: float = 60.0) -> Grant | None:
+    rows = wire.run(wire.sql.downgrade, name=name, owner=who, token=token, ttl=ttl)
+    return Grant(int(rows[0][0]), when(rows[0][1])) if rows else None
+
+
+def kinds(wire: Wire, name: str) -> list[tuple[str, bool]]:
+    """(owner, shared) of each live lease of ``name``, as ``sql.leases`` lists them."""
+    return sorted((r[1], bool(r[7])) for r in wire.leases().get(name, []))
+
+
+def test_one_upgradeable_reader_at_a_time_beside_readers(db: Db, wire: Wire) -> None:
+    """An upgradeable reader is a reader: readers join it, a writer does not; a second upgradeable misses."""
+    u, r = owner(), owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    assert wire.share_grant("x", r).token > up.token
+    second, _ = wire.share("x", owner(), upgradeable=True)
+    assert isinstance(second, Miss) and second.wait is not None and second.wait > 0
+    assert isinstance(wire.acquire("x", owner()), Miss)
+    assert kinds(wire, "x") == sorted([(u, True), (r, True)])
+
+
+def test_upgrade_of_the_only_holder_makes_the_write_lease(db: Db, wire: Wire) -> None:
+    """Alone, the upgradeable reader's lease becomes the write lease in one statement: a token above
+    every earlier grant, the name's row its own, no holder left; readers and writers then miss."""
+    u = owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    write = upgrade(wire, "x", u, up.token)
+    assert isinstance(write, Grant) and write.token > up.token
+    (highest,) = db.query(f"SELECT max(token) FROM {db.table}")[0]
+    assert write.token >= highest
+    assert kinds(wire, "x") == [(u, False)]
+    assert db.query(f"SELECT count(*) FROM {holders_table_name(db.table)} WHERE name = %s", ("x",)) == [(0,)]
+    assert isinstance(wire.share("x", owner())[0], Miss) and isinstance(wire.acquire("x", owner()), Miss)
+    assert wire.release("x", u, write.token) == Ended(True)  # the write lease is an exclusive lease
+    assert wire.grant("x", owner()).token > write.token
+
+
+def test_upgrade_beside_readers_misses_and_lets_no_new_reader_in(db: Db, wire: Wire) -> None:
+    """Beside a reader, upgrade misses (wait: until that reader's lease ends) and from then on no shared
+    lease is granted; once the reader leaves, the next look upgrades."""
+    u, r = owner(), owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    read = wire.share_grant("x", r, ttl=30)
+    missed = upgrade(wire, "x", u, up.token)
+    assert isinstance(missed, Miss) and missed.wait is not None and 0 < missed.wait <= 30.01
+    refused, _ = wire.share("x", owner())
+    assert isinstance(refused, Miss)  # a reader arriving now waits for the upgrade
+    assert isinstance(wire.share("x", owner(), limit=5)[0], Miss)  # a semaphore holder too
+    assert isinstance(upgrade(wire, "x", u, up.token), Miss)  # asking again changes nothing
+    assert len(wire.run(wire.sql.share_release, name="x", owner=r, token=read.token)) == 1
+    write = upgrade(wire, "x", u, up.token)
+    assert isinstance(write, Grant) and write.token > read.token
+    assert kinds(wire, "x") == [(u, False)]
+
+
+def test_downgrade_withdraws_an_ask_to_upgrade(db: Db, wire: Wire) -> None:
+    """downgrade by the upgradeable reader that asked: its lease as it is (same token), readers welcome again."""
+    u, r = owner(), owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    wire.share_grant("x", r)
+    assert isinstance(upgrade(wire, "x", u, up.token), Miss)
+    back = downgrade(wire, "x", u, up.token)
+    assert back is not None and back.token == up.token
+    assert wire.share_grant("x", owner()).token > up.token
+
+
+def test_downgrade_turns_the_write_lease_back_into_the_upgradeable_read(db: Db, wire: Wire) -> None:
+    """downgrade of the write lease: the upgradeable reader's lease again, with a new, larger token;
+    readers join it, a writer and a second upgradeable reader do not; it may upgrade again."""
+    u = owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    write = upgrade(wire, "x", u, up.token)
+    assert isinstance(write, Grant)
+    back = downgrade(wire, "x", u, write.token)
+    assert back is not None and back.token > write.token
+    assert kinds(wire, "x") == [(u, True)]
+    reader = owner()
+    assert wire.share_grant("x", reader).token > back.token
+    assert isinstance(wire.acquire("x", owner()), Miss)
+    assert isinstance(wire.share("x", owner(), upgradeable=True)[0], Miss)
+    assert len(wire.run(wire.sql.share_release, name="x", owner=reader, token=back.token + 1)) == 1
+    again = upgrade(wire, "x", u, back.token)
+    assert isinstance(again, Grant) and again.token > back.token + 1
+
+
+def test_only_the_upgradeable_readers_own_live_lease_upgrades_or_downgrades(db: Db, wire: Wire) -> None:
+    """Zero rows, and nothing changed, for: a plain reader's lease, another owner, a wrong token, a
+    released lease, a lease that ran out; and downgrade of a write lease taken over or released."""
+    u, r = owner(), owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    read = wire.share_grant("x", r)
+    assert upgrade(wire, "x", r, read.token) is None  # a plain reader cannot upgrade
+    assert upgrade(wire, "x", owner(), up.token) is None
+    assert upgrade(wire, "x", u, up.token + 100) is None
+    assert downgrade(wire, "x", owner(), up.token) is None
+    assert kinds(wire, "x") == sorted([(u, True), (r, True)])
+    assert wire.share("x", owner())[0].__class__ is Grant  # no ask was left behind
+    assert len(wire.run(wire.sql.share_release, name="x", owner=u, token=up.token)) == 1
+    assert upgrade(wire, "x", u, up.token) is None and downgrade(wire, "x", u, up.token) is None
+    gone = owner()
+    short = wire.share_grant("y", gone, ttl=TINY, upgradeable=True)
+    wire.wait_expired("y")
+    assert upgrade(wire, "y", gone, short.token) is None  # ran out: forgotten, never revived as a writer
+    w = owner()
+    lapsed = upgrade(wire, "z", w, wire.share_grant("z", w, upgradeable=True, ttl=60).token)
+    assert isinstance(lapsed, Grant)
+    assert wire.release("z", w, lapsed.token) == Ended(True)
+    assert downgrade(wire, "z", w, lapsed.token) is None  # released: nothing to go back to
+    assert "z" not in wire.leases()
+
+
+def test_an_upgrade_retried_after_a_lost_reply_gets_the_same_write_lease(db: Db, wire: Wire) -> None:
+    """Where a statement may be cut off (and so sent again), a second upgrade by the owner that holds
+    the write lease already gets that lease back, same token, expiry never shortened."""
+    if not wire.backend.caps.cut_statements:
+        pytest.skip(f"{wire.backend.title} never cuts a statement off, so never sends an upgrade again")
+    u = owner()
+    up = wire.share_grant("x", u, upgradeable=True)
+    first = upgrade(wire, "x", u, up.token, ttl=60)
+    again = upgrade(wire, "x", u, up.token, ttl=1)
+    assert isinstance(first, Grant) and isinstance(again, Grant)
+    assert again.token == first.token and again.expires_at >= first.expires_at
+
+
 # -- owned, leases ----------------------------------------------------------------------
 def test_owned_reports_the_holders_token(db: Db, wire: Wire) -> None:
     """``owned`` (after a lost reply) gives the token the owner holds; for a stranger, None."""
@@ -568,3 +706,73 @@ def test_fair_queue_release_hands_to_the_first_live_waiter(db: Db, wire: Wire) -
     handed = wire.backend.cancelled(wire.run(queue.cancel, name="x", owner=b, seq=None))
     assert handed is not None and handed.token == token
     assert [tuple(r) for r in wire.run(queue.waiters)] == [("x", 1)]  # c still waits
+
+
+def test_fair_queue_walk_with_an_upgradeable_reader(db: Db, wire: Wire) -> None:
+    """The line and the upgradeable reader: a writer's release admits the upgradeable reader queued behind
+    it with the readers around it, but a second upgradeable reader stops the walk (those behind it wait
+    too); readers queued while the upgradeable reader asks to upgrade stay in line when others leave,
+    and are admitted when it comes back down."""
+    needs_fair_queue(wire.backend)
+    queue = wire.backend.queue
+
+    def line_up(who: str, *, upgradeable: bool = False) -> Grant | Queued | None:
+        binds = {**queue_binds("x", who), "limit": None, "upgradeable": upgradeable}
+        return wire.backend.enqueued(wire.run(queue.share_enqueue, **binds))
+
+    def holding(who: str) -> bool:
+        return any(r[1] == who for r in wire.leases().get("x", []))
+
+    w, u1, r1, u2, r2 = owner(), owner(), owner(), owner(), owner()
+    write = wire.grant("x", w)
+    for who, up in ((u1, True), (r1, False), (u2, True), (r2, False)):
+        assert isinstance(line_up(who, upgradeable=up), Queued)
+    rows = wire.run(wire.sql.release, name="x", owner=w, token=write.token)
+    assert wire.backend.ended(rows, held=False) == Ended(True) and rows[0][1]
+    assert holding(u1) and holding(r1) and not holding(u2) and not holding(r2)  # the walk stopped at u2
+    assert [tuple(r) for r in wire.run(queue.waiters)] == [("x", 2)]
+    # u1 asks to upgrade beside r1; r1 leaves; u2 and r2 stay in line; u1 upgrades.
+    (u1_token,) = [r[2] for r in wire.leases()["x"] if r[1] == u1]
+    (r1_token,) = [r[2] for r in wire.leases()["x"] if r[1] == r1]
+    assert isinstance(upgrade(wire, "x", u1, u1_token), Miss)
+    assert len(wire.run(wire.sql.share_release, name="x", owner=r1, token=r1_token)) == 1
+    assert not holding(u2) and not holding(r2)
+    write = upgrade(wire, "x", u1, u1_token)
+    assert isinstance(write, Grant)
+    back = downgrade(wire, "x", u1, write.token)  # readers welcome again: the line moves, up to u2
+    assert back is not None and holding(u1) and not holding(u2) and not holding(r2)
+    assert len(wire.run(wire.sql.share_release, name="x", owner=u1, token=back.token)) == 1
+    assert holding(u2) and holding(r2)  # the last holder out: u2 and the reader behind it
+    assert wire.run(queue.waiters) == []
+
+
+def test_fair_queue_a_look_never_takes_a_holder_row_that_ran_out_for_a_grant(db: Db, wire: Wire) -> None:
+    """model/queue.pml's counterexample, on the real functions: a reader granted by a hand-off it never
+    heard of lets its lease run out; a writer takes the name (which sweeps no holders), the reader queues
+    again behind a second writer, and its look, walking the line once the first writer's lease ran out,
+    hands the name to that writer. The look must not answer the reader's old, ended row as its grant
+    (0008's text did: a reader trusting a lease beside a writer)."""
+    needs_fair_queue(wire.backend)
+    queue = wire.backend.queue
+    a, dead, r, a2, b = owner(), owner(), owner(), owner(), owner()
+
+    def share_look(seq: int | None = None) -> Grant | Queued | None:
+        binds = {**queue_binds("x", r, seq=seq), "ttl": TINY, "limit": None, "upgradeable": False}
+        return wire.backend.enqueued(wire.run(queue.share_enqueue, **binds))
+
+    first = wire.grant("x", a)
+    assert isinstance(wire.backend.enqueued(wire.run(queue.enqueue, **queue_binds("x", dead, TINY))), Queued)
+    assert isinstance(share_look(), Queued)
+    wire.let_clock_pass(TINY)  # dead's wait is over
+    assert wire.backend.ended(wire.run(wire.sql.release, name="x", owner=a, token=first.token), held=False).ended
+    assert [r_[1] for r_ in wire.leases()["x"]] == [r]  # handed to the reader, who never hears of it
+    wire.wait_expired("x")
+    taken = wire.grant("x", a2, ttl=0.5)  # the name's next grant: exclusive, it sweeps no holder row
+    assert isinstance(wire.backend.enqueued(wire.run(queue.enqueue, **queue_binds("x", b))), Queued)
+    again = share_look()  # the reader waits again, behind b
+    assert isinstance(again, Queued)
+    wire.wait_expired("x")  # a2's lease runs out unreleased
+    look = share_look(again.seq)
+    assert isinstance(look, Queued), f"a look answered {look}: a reader granted beside the writer {b}"
+    ((who, token),) = db.query(f"SELECT owner, token FROM {db.table} WHERE name = %s", ("x",))
+    assert who == b and token > taken.token  # the walk the look made handed the name to b

@@ -169,6 +169,7 @@ def test_a_closed_locker_refuses_new_work_and_its_leases_still_release(db: Db) -
     assert held(db) == [("kept", lease.token)]
     assert lease.release() is True  # what it granted can still be ended
     assert held(db) == []
+    assert locker._driver.open_connections() == 0  # the release's connection went with it, not to a closed pool
 
 
 def test_is_held_asks_the_database_about_one_name(db: Db) -> None:

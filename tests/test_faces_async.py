@@ -170,6 +170,7 @@ async def test_a_closed_locker_refuses_new_work_and_its_leases_still_release(db:
     assert held(db) == [("kept", lease.token)]
     assert await lease.release() is True  # what it granted can still be ended
     assert held(db) == []
+    assert locker._driver.open_connections() == 0  # the release's connection went with it, not to a closed pool
 
 
 async def test_is_held_asks_the_database_about_one_name(db: Db) -> None:

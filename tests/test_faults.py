@@ -148,6 +148,8 @@ def test_a_frozen_server_bounds_every_call_and_leaks_no_lease(pg: Db, pg_server:
     """SIGSTOP the whole server: calls return in time; what a cut-off call granted is ended after."""
     locker = pg.locker(op_timeout=1)
     locker.try_acquire("warm").release()  # a pooled connection whose backend will freeze
+    reading = locker.upgradeable("reads").acquire(ttl=60)
+    writing = locker.upgradeable("writes").acquire(ttl=4).upgrade(timeout=5)  # a short ttl: see below
     with frozen(pg_server):
         took, exc, _ = timed(lambda: locker.try_acquire("frozen", ttl=60))
         assert isinstance(exc, DatabaseUnavailable), exc
@@ -155,9 +157,20 @@ def test_a_frozen_server_bounds_every_call_and_leaks_no_lease(pg: Db, pg_server:
         took, exc, _ = timed(lambda: locker.acquire("frozen", ttl=60, timeout=2))
         assert isinstance(exc, DatabaseUnavailable), exc
         assert took <= 2 + 2.5 + SLACK, f"acquire(timeout=2) took {took:.1f} s on a frozen server"
+        # An upgrade waits as an acquire does, then withdraws its ask (a statement: op_timeout).
+        took, exc, _ = timed(lambda: reading.upgrade(timeout=2))
+        assert isinstance(exc, DatabaseUnavailable), exc
+        assert took <= 2 + 2.5 + 1.25 + SLACK, f"upgrade(timeout=2) took {took:.1f} s on a frozen server"
+        took, exc, _ = timed(writing.downgrade)
+        assert isinstance(exc, DatabaseUnavailable), exc
+        assert took <= 2 + SLACK, f"downgrade took {took:.1f} s on a frozen server (op_timeout=1)"
     # Thawed, the frozen backend runs the acquire it had received: a lease for an owner
-    # nobody listens to any more, for 60 s. dblock's clean-up ends it.
-    wait_for(lambda: pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL") == [(0,)],
+    # nobody listens to any more, for 60 s. dblock's clean-up ends it. The reader ends its
+    # lease; the downgrade that was cut off may have run, giving a read lease the client
+    # never heard of: that one ends at its ttl.
+    reading.release()
+    writing.release()
+    wait_for(lambda: pg.query(f"SELECT count(*) FROM {pg.table} WHERE owner IS NOT NULL AND expires_at > now()") == [(0,)],
              timeout=30, what="the abandoned grants to be ended")
     assert locker.try_acquire("frozen") is not None
 

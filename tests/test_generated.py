@@ -12,6 +12,8 @@ import ast
 
 from tools import async_to_sync
 
+from .conftest import parse_python
+
 
 def test_every_generated_module_is_current() -> None:
     stale = async_to_sync.stale()
@@ -22,7 +24,7 @@ def test_generated_modules_say_so_and_hold_no_asyncio() -> None:
     for source, target in async_to_sync.SOURCES:
         text = (async_to_sync.ROOT / target).read_text()
         assert text.startswith(async_to_sync.header(source))
-        tree = ast.parse(text)
+        tree = parse_python(text)
         for node in ast.walk(tree):
             assert not isinstance(node, (ast.AsyncFunctionDef, ast.Await, ast.AsyncWith, ast.AsyncFor)), (target, node)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -67,7 +69,7 @@ def test_no_test_is_shadowed_by_a_second_of_its_name() -> None:
     found = {
         path.name: twice
         for path in sorted((async_to_sync.ROOT / "tests").glob("*.py"))
-        if (twice := shadowed(ast.parse(path.read_text())))
+        if (twice := shadowed(parse_python(path.read_text())))
     }
     assert found == {}
-    assert shadowed(ast.parse("def test_a(): pass\nasync def test_a(): pass\ndef test_b(): pass\n")) == ["test_a (line 2)"]
+    assert shadowed(parse_python("def test_a(): pass\nasync def test_a(): pass\ndef test_b(): pass\n")) == ["test_a (line 2)"]

@@ -26,6 +26,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from .conftest import parse_python
+
 PACKAGE = Path(__file__).resolve().parent.parent / "dblock"
 
 # SQLAlchemy offers no public accessor for these (fencing.py inspects a statement before it runs).
@@ -68,7 +70,7 @@ def _defines(tree: ast.AST) -> set[str]:
 def _modules() -> dict[str, ast.Module]:
     """Every module of the package, subpackages (``contrib/django/fencing``) included."""
     return {
-        p.relative_to(PACKAGE).with_suffix("").as_posix(): ast.parse(p.read_text(), str(p))
+        p.relative_to(PACKAGE).with_suffix("").as_posix(): parse_python(p.read_text(), str(p))
         for p in sorted(PACKAGE.rglob("*.py"))
     }
 
@@ -117,7 +119,7 @@ def test_third_party_privates_listed_are_still_used() -> None:
 def test_the_rule_catches_what_it_is_for() -> None:
     # A module that pokes another's private attribute, calls its private method,
     # or imports its private name is caught; self/cls and its own names are not.
-    owner = ast.parse(
+    owner = parse_python(
         "class Lease:\n"
         "    __slots__ = ('_slot',)\n"
         "    def __init__(self):\n"
@@ -126,7 +128,7 @@ def test_the_rule_catches_what_it_is_for() -> None:
         "        self._released = True\n"
         "def _helper(): pass\n"
     )
-    poker = ast.parse(
+    poker = parse_python(
         "from .lease import _helper\n"
         "class Renewer:\n"
         "    def __init__(self):\n"
@@ -172,7 +174,7 @@ def test_no_class_reaches_into_another_classs_private_names() -> None:
 
 
 def test_the_class_rule_catches_what_it_is_for() -> None:
-    tree = ast.parse(
+    tree = parse_python(
         "class Locker:\n"
         "    def __init__(self):\n"
         "        self._driver = 1\n"
@@ -249,10 +251,10 @@ def test_no_module_imports_in_a_circle() -> None:
 
 def test_the_circle_rule_catches_what_it_is_for() -> None:
     modules = {
-        "a": ast.parse("from .b import x\n"),
-        "b": ast.parse("from . import c\n"),
-        "c": ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\nfrom .a import z\n"),
-        "d": ast.parse("def f():\n    from .a import x\n"),
+        "a": parse_python("from .b import x\n"),
+        "b": parse_python("from . import c\n"),
+        "c": parse_python("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import y\nfrom .a import z\n"),
+        "d": parse_python("def f():\n    from .a import x\n"),
     }
     assert circles(import_graph(modules)) == [["a", "b", "c", "a"]]
 
@@ -276,7 +278,7 @@ def migration_violations() -> tuple[list[str], set[tuple[str, str]]]:
     found, met = [], set()
     for path in sorted(MIGRATIONS.rglob("*.py")):
         name = path.relative_to(MIGRATIONS).with_suffix("").as_posix()
-        tree = ast.parse(path.read_text(), str(path))
+        tree = parse_python(path.read_text(), str(path))
         own = _defines(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
@@ -325,12 +327,12 @@ def test_only_the_backends_compare_database_names() -> None:
             relative = path.relative_to(root).as_posix()
             if root is PACKAGE and relative.startswith(MAY_NAME_DATABASES):
                 continue
-            found += [f"{prefix}/{relative}:{line}" for line in dialect_comparisons(ast.parse(path.read_text()))]
+            found += [f"{prefix}/{relative}:{line}" for line in dialect_comparisons(parse_python(path.read_text()))]
     assert found == []
 
 
 def test_the_database_name_rule_catches_what_it_is_for() -> None:
-    caught = ast.parse(
+    caught = parse_python(
         'a = dialect.name == "postgresql"\n'
         'b = "sqlite" != url.get_backend_name()\n'
         'c = kind in ("mysql", "mariadb")\n'

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import BigInteger, DateTime, Float, Integer, MetaData, String, Table, create_engine, event, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
-from dblock import DatabaseUnavailable, DBLockError, Locker, migrate
+from dblock import DatabaseUnavailable, DBLockError, Locker, SchemaMissing, migrate
 from dblock.schema import (
     LABEL_LENGTH,
     fences_table,
@@ -22,6 +22,7 @@ from dblock.schema import (
     procs_table,
     shared_function_names,
     shared_queue_function_names,
+    upgrade_function_names,
     queue_function_names,
     token_index_name,
     token_sequence_name,
@@ -93,7 +94,7 @@ def test_migrated_queue_tables_and_functions_match_the_code(db: Db) -> None:
     functions = {r[0] for r in db.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (db.table + "_%",))}
     assert functions == (
         set(queue_function_names(db.table)) | set(shared_function_names(db.table))
-        | set(shared_queue_function_names(db.table))
+        | set(shared_queue_function_names(db.table)) | set(upgrade_function_names(db.table))
     )
     engine.dispose()
 
@@ -124,7 +125,7 @@ def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
     )
     locker.create_schema()
     ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
-    assert version == "dblock_0009"
+    assert version == "dblock_0011"
     (old,) = locker.leases()
     assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
     lease = locker.try_acquire("new")
@@ -251,6 +252,61 @@ def test_built_wheel_in_a_fresh_virtualenv(pg: Db, wheel_venv: Path, tmp_path: P
     pg.query(f"DROP SEQUENCE IF EXISTS {pg.table}_w_token_seq")
 
 
+def _made(db: Db, table: str) -> dict[str, list[tuple]]:
+    """What dblock made for ``table`` (PostgreSQL or MariaDB), with the table's name written as T:
+    columns, indexes and constraints, sequences and functions (PostgreSQL), and the recorded revision."""
+
+    def named(rows: list[tuple]) -> list[tuple]:
+        return sorted(tuple(str(v).replace(table, "T") for v in row) for row in rows)
+
+    like = table.replace("_", "\\_") + "%"
+    if db.backend == "mariadb":
+        return {
+            "columns": named(db.query(
+                "SELECT table_name, column_name, column_type, is_nullable, column_default, collation_name, extra "
+                "FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name LIKE %s", (like,))),
+            "indexes": named(db.query(
+                "SELECT table_name, index_name, non_unique, seq_in_index, column_name FROM information_schema.statistics "
+                "WHERE table_schema = DATABASE() AND table_name LIKE %s", (like,))),
+            "tables": named(db.query(
+                "SELECT table_name, engine, table_collation FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_name LIKE %s", (like,))),
+            "revision": named(db.query(f"SELECT version_num FROM {version_table_name(table)}")),
+        }
+    return {
+        "columns": named(db.query(
+            "SELECT table_name, column_name, data_type, is_nullable, column_default, is_identity "
+            "FROM information_schema.columns WHERE table_name LIKE %s", (like,))),
+        "indexes": named(db.query("SELECT indexname, indexdef FROM pg_indexes WHERE tablename LIKE %s", (like,))),
+        "constraints": named(db.query(
+            "SELECT c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c JOIN pg_class r ON r.oid = c.conrelid "
+            "WHERE r.relname LIKE %s", (like,))),
+        "sequences": named(db.query(
+            "SELECT sequencename, start_value, increment_by, cache_size, cycle FROM pg_sequences WHERE sequencename LIKE %s",
+            (like,))),
+        "functions": named(db.query(
+            "SELECT oid::regprocedure::text, pg_get_functiondef(oid) FROM pg_proc WHERE starts_with(proname, %s)",
+            (table + "_",))),
+        "revision": named(db.query(f"SELECT version_num FROM {version_table_name(table)}")),
+    }
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mariadb"])
+def test_the_suites_tables_are_what_create_schema_makes(db: Db) -> None:
+    """The suite makes each test's tables on the servers by running the migrations' offline DDL
+    (conftest's Db.create), ten times faster than create_schema: the same objects (and on
+    PostgreSQL the same function bodies), the same revision, and create_schema finds them current."""
+    fixture_made = _made(db, db.table)
+    other = Db(db.backend, db.url, db.table + "_cs")
+    assert Locker(db.url, table=other.table).create_schema().before is None
+    try:
+        assert _made(db, other.table) == fixture_made
+        assert all(fixture_made.values()), fixture_made  # every kind of object was there to compare
+        assert Locker(db.url, table=db.table).create_schema().before == migrate.revisions()[-1]
+    finally:
+        other.drop()
+
+
 # -- create_schema: what is already there, and database trouble -----------------------
 def _catalog(db: Db) -> list[tuple]:
     """Every table, column and sequence of the database: 'nothing changed' checks of DDL."""
@@ -341,3 +397,34 @@ def test_create_schema_on_an_unreachable_server() -> None:
         locker.create_schema()
     assert "secret" not in str(caught.value)
     assert isinstance(caught.value.__cause__, SQLAlchemyError)
+
+
+
+def test_0010_keeps_working_for_the_code_before_it_and_asks_the_code_after_it_to_upgrade(db: Db) -> None:
+    """0010 adds the upgradeable read lock. On PostgreSQL the earlier signatures of share_acquire (which
+    code of an earlier dblock, still running after the migration, calls) call the new functions, so such
+    a reader is also kept out beside an upgrade; elsewhere the new column's default serves it. This
+    dblock against tables at 0009 raises SchemaMissing for shared leases, naming the upgrade, while its
+    exclusive lock works."""
+    locker = db.locker()
+    if db.backend == "postgresql":
+        up = locker.upgradeable("u").acquire(ttl=30)
+        reader = locker.readers("u").acquire(ttl=30)
+        earlier = f"SELECT granted FROM {db.table}_share_acquire(%s, %s, 30.0::float8, 'old', NULL::int)"
+        assert db.query(earlier, ("u", "a" * 32)) == [(True,)]  # a reader, by the earlier signature
+        ask = f"SELECT granted FROM {db.table}_upgrade(%s, %s, %s, 30.0::float8)"
+        assert db.query(ask, ("u", up.owner, up.token)) == [(False,)]  # others read: the ask stands
+        assert db.query(earlier, ("u", "b" * 32)) == [(False,)]  # nobody joins beside it, old code neither
+        reader.release()
+        up.release()
+    migrate.downgrade(locker.engine, db.table, None, "dblock_0009")
+    fresh = db.locker()
+    with pytest.raises(SchemaMissing, match="older dblock"):
+        fresh.readers("r").try_acquire(ttl=30)
+    lease = fresh.try_acquire("w", ttl=30)
+    assert lease is not None
+    lease.release()
+    fresh.close()
+    assert locker.create_schema().after == "dblock_0011"
+    assert locker.readers("r").try_acquire(ttl=30) is not None
+    locker.close()

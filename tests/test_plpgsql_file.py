@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from dblock.schema import DEFAULT_TABLE, queue_function_names, shared_function_names, shared_queue_function_names
+from dblock.schema import (
+    DEFAULT_TABLE,
+    queue_function_names,
+    shared_function_names,
+    shared_queue_function_names,
+    upgrade_function_names,
+)
 from tools import dump_plpgsql
+
+from .conftest import parse_python
 
 VERSIONS = dump_plpgsql.ROOT / "migrations" / "versions"
 # Migrations before this one predate the rule (0006, 0008 and 0009 edit earlier text); they stay as they are.
@@ -37,7 +45,9 @@ def test_plpgsql_file_is_what_a_migrated_database_runs(pg_url: str) -> None:
     dumped = re.findall(r"^CREATE OR REPLACE FUNCTION public\.(\w+)\(", made, re.MULTILINE)
     assert dumped == sorted(dumped)
     t = DEFAULT_TABLE
-    assert set(dumped) == {*queue_function_names(t), *shared_function_names(t), *shared_queue_function_names(t)}
+    assert set(dumped) == {
+        *queue_function_names(t), *shared_function_names(t), *shared_queue_function_names(t), *upgrade_function_names(t)
+    }
 
 
 def test_no_migration_after_0009_edits_an_earlier_migrations_text() -> None:
@@ -59,7 +69,7 @@ def test_the_guard_sees_the_edits_0006_0008_and_0009_make() -> None:
         "    op.execute(sql)\n"
         "    op.execute(_own().replace('a', 'b'))\n"
     )
-    assert _findings(ast.parse(restore), "restore.py") == []
+    assert _findings(parse_python(restore), "restore.py") == []
 
 
 def _number(path: Path) -> int:
@@ -86,7 +96,7 @@ def edits_of_other_migrations(path: Path) -> list[str]:
     0006, 0008 and 0009 make (str.replace, format, re.sub); slicing or
     concatenation of the text would pass it.
     """
-    return _findings(ast.parse(path.read_text(encoding="utf-8")), path.name)
+    return _findings(parse_python(path.read_text(encoding="utf-8")), path.name)
 
 
 def _findings(tree: ast.Module, where: str) -> list[str]:

@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+from .conftest import parse_python
+
 ROOT = Path(__file__).resolve().parent.parent
 INTERNAL = re.compile(r"\bG[1-7]\b|DESIGN\.md|§|\bissue \d+")
 
@@ -49,20 +51,20 @@ def test_public_docstrings_docs_and_migration_messages_hold_no_internal_labels()
     found = []
     for path in sorted((ROOT / "dblock").rglob("*.py")):
         public_module = not any(part.startswith("_") for part in path.relative_to(ROOT).with_suffix("").parts[1:])
-        for where, text in public_docstrings(ast.parse(path.read_text()), public_module, exported):
+        for where, text in public_docstrings(parse_python(path.read_text()), public_module, exported):
             found += [f"{path.relative_to(ROOT)} {where}: {label}" for label in labels_in(text)]
     pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
     assert len(pages) > 20  # the documentation site's pages too
     for path in pages:
         found += [f"{path.relative_to(ROOT)}: {label}" for label in labels_in(path.read_text())]
     for path in sorted((ROOT / "migrations" / "versions").glob("*.py")):  # alembic prints the first line
-        first = (ast.get_docstring(ast.parse(path.read_text())) or "").splitlines()[0]
+        first = (ast.get_docstring(parse_python(path.read_text())) or "").splitlines()[0]
         found += [f"{path.name}: {label}" for label in labels_in(first)]
     assert found == []
 
 
 def test_the_rule_catches_what_it_is_for() -> None:
-    tree = ast.parse(
+    tree = parse_python(
         '"""Fenced writes (G4)."""\n'
         "class Locker:\n"
         '    def prune(self):\n        """Tokens keep growing (G2)."""\n'

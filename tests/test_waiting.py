@@ -25,6 +25,7 @@ import pytest
 
 from dblock import Locker, LockNotAcquired
 from dblock._wait import Hotspot
+from dblock.schema import LISTENER_LOCK
 
 from .conftest import Db, wait_for, warm_waiting
 from .test_waiting_faces import background as in_thread, count_statements, joined
@@ -372,6 +373,62 @@ def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
     assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'ghosts'") == [(None, 0)]
     assert queue(pg, "ghosts") == []
     assert holder.try_acquire("ghosts") is not None
+
+
+def test_a_waiters_listener_is_alive_while_it_holds_its_advisory_lock(pg: Db) -> None:
+    """A waiter that names a listener session is live while that session holds the advisory lock
+    (LISTENER_LOCK, its pid), whatever the server's list of sessions says (0011: one lookup). A
+    session without it (a listener of an earlier dblock) is judged by that list, as before: its
+    waiter keeps its place while the session lives, and is skipped once its pid names another
+    session."""
+    holder = pg.locker()
+    held = holder.try_acquire("alive", ttl=60)
+    t = pg.table
+    locked, earlier = pg.connect(), pg.connect()
+    locked.execute("SELECT pg_advisory_lock(%s, pg_backend_pid())", (LISTENER_LOCK,))
+    (pid_locked,) = locked.execute("SELECT pg_backend_pid()").fetchone()
+    pid_earlier, start_earlier = earlier.execute(
+        "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+    ).fetchone()
+    pg.query(f"INSERT INTO {t}_procs (id, until) VALUES ('fresh', now() + interval '1 h')")
+    for owner, pid, start in (
+        ("locked, start unknown", pid_locked, "2020-01-01"),  # the lock decides: live
+        ("earlier dblock", pid_earlier, start_earlier),  # the list decides: live
+        ("earlier, pid reused", pid_earlier, "2020-01-01"),  # the list decides: another session now
+    ):
+        pg.query(f"INSERT INTO {t}_waiters (name, owner, ttl, proc, pid, start) VALUES ('alive', %s, 60, 'fresh', %s, %s)",
+                 (owner, pid, start))
+    pg.query(f"UPDATE {t} SET waiting = 3 WHERE name = 'alive'")
+    assert held.release() is True
+    granted = []
+    for _ in range(2):
+        ((owner, token),) = pg.query(f"SELECT owner, token FROM {t} WHERE name = 'alive'")
+        granted.append(owner)
+        assert pg.query(holder.backend.sql.release, {"name": "alive", "owner": owner, "token": token})
+    assert granted == ["locked, start unknown", "earlier dblock"]
+    assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'alive'") == [(None, 0)]  # the third skipped
+    assert queue(pg, "alive") == []
+    locked.close()
+    earlier.close()
+    holder.close()
+
+
+def test_a_listener_session_holds_its_advisory_lock_while_it_lives(pg: Db) -> None:
+    """What the hand-off's O(1) liveness check reads: the listener takes (LISTENER_LOCK, its pid)
+    exclusively when it starts, and the server drops it with the session."""
+    holder, waiter = pg.locker(), pg.locker(**SLOW)
+    held = holder.try_acquire("listening", ttl=60)
+    worker, out = in_thread(lambda: waiter.acquire("listening", timeout=60))
+    wait_for(lambda: len(queue(pg, "listening")) == 1)
+    (entry,) = queue(pg, "listening")
+    lock = f"""SELECT mode, granted FROM pg_locks WHERE locktype = 'advisory' AND classid = %s::oid
+               AND objid = %s::oid AND objsubid = 2 AND pid = %s"""
+    assert pg.query(lock, (LISTENER_LOCK, entry["p"], entry["p"])) == [("ExclusiveLock", True)]
+    held.release()
+    joined(worker, out).release()
+    waiter.close()
+    wait_for(lambda: pg.query(lock, (LISTENER_LOCK, entry["p"], entry["p"])) == [])
+    holder.close()
 
 
 def test_joining_a_short_line_reads_only_that_line(pg: Db) -> None:

@@ -47,6 +47,7 @@ SOURCES = [
     ("tests/test_waiting_faces_async.py", "tests/test_waiting_faces.py"),
     ("tests/test_groups_faces_async.py", "tests/test_groups_faces.py"),
     ("tests/test_reentry_faces_async.py", "tests/test_reentry_faces.py"),
+    ("tests/test_upgradeable_faces_async.py", "tests/test_upgradeable_faces.py"),
     ("tests/test_election_faces_async.py", "tests/test_election_faces.py"),
 ]
 
@@ -92,6 +93,8 @@ RENAMES = {
     "AsyncRenewer": "Renewer",
     "_alocker": "_locker",
     "AsyncShared": "Shared",
+    "AsyncUpgradeableLease": "UpgradeableLease",
+    "AsyncUpgradeable": "Upgradeable",
     "_AsyncLockContext": "_LockContext",
     "_AsyncGroupContext": "_GroupContext",
     "AsyncLeaseGroup": "LeaseGroup",

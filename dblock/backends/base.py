@@ -116,6 +116,12 @@ class Statements:
     # channel. One row (acquired_at) when the lease was still this owner's; zero rows: released or
     # taken over. Where ``caps.notify``, it also notifies ``channel``: "token acquired_at label".
     relabel: str
+    # The upgradeable read lock: a reader's lease that becomes the name's write lease once the
+    # reader holds alone (binds name, owner, token, ttl; one row: granted, token, expires_at,
+    # wait), and the way back, or an ask to upgrade withdrawn (one row: token, expires_at).
+    # Contracts in backends/postgresql.py.
+    upgrade: str
+    downgrade: str
 
 
 @dataclass(frozen=True)

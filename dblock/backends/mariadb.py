@@ -644,12 +644,13 @@ COMMIT"""
 def _shared(t: str, h: str) -> dict[str, str]:
     live = f"name = %(name)s AND expires_at > {NOW}"
     # share_acquire
-    # binds: name, owner, ttl, label, limit
+    # binds: name, owner, ttl, label, limit, upgradeable (1: the upgradeable reader)
     # returns one row (token, expires_at, free) when granted: free is the slots the
     #   smallest live limit leaves (NULL: no limit binds). Zero rows when not (then
     #   share_holder tells how long to wait). Granted while no live writer holds the
     #   name, and fewer live holders hold it than the caller's limit and every live
-    #   holder's. One transaction that locks the name's row first (made if it is
+    #   holder's, and no live upgradeable reader asks to upgrade (nor, for an upgradeable
+    #   reader, is another live). One transaction that locks the name's row first (made if it is
     #   missing), as every statement that changes a name's holders does: the row's
     #   token plus one is the grant's, written back into the row (owner '*shared', an
     #   expiry no earlier than every live holder's), so the next grant of any kind
@@ -668,10 +669,12 @@ END IF;
 DELETE FROM {h} WHERE name = %(name)s AND expires_at <= {NOW};
 SELECT COUNT(*), MIN(lim) INTO @dblock_n, @dblock_m FROM {h} WHERE {live};
 SET @dblock_ok = (@dblock_o IS NULL OR @dblock_o = {_SHARED} OR @dblock_x <= {NOW})
-    AND (%(limit)s IS NULL OR @dblock_n < %(limit)s) AND (@dblock_m IS NULL OR @dblock_n < @dblock_m),
+    AND (%(limit)s IS NULL OR @dblock_n < %(limit)s) AND (@dblock_m IS NULL OR @dblock_n < @dblock_m)
+    AND NOT EXISTS (SELECT 1 FROM {h} WHERE {live} AND upgradeable >= 2 - %(upgradeable)s),
     @dblock_e = {EXPIRES};
-INSERT IGNORE INTO {h} (name, owner, token, acquired_at, expires_at, label, lim)
-SELECT %(name)s, %(owner)s, @dblock_t + 1, {NOW}, @dblock_e, %(label)s, %(limit)s FROM DUAL WHERE @dblock_ok;
+INSERT IGNORE INTO {h} (name, owner, token, acquired_at, expires_at, label, lim, upgradeable)
+SELECT %(name)s, %(owner)s, @dblock_t + 1, {NOW}, @dblock_e, %(label)s, %(limit)s, %(upgradeable)s
+FROM DUAL WHERE @dblock_ok;
 SET @dblock_ok = @dblock_ok AND ROW_COUNT() > 0;
 UPDATE {t} SET owner = {_SHARED}, token = @dblock_t + 1, acquired_at = {NOW}, label = NULL,
     expires_at = IF(@dblock_o = {_SHARED} AND @dblock_x > @dblock_e, @dblock_x, @dblock_e)
@@ -720,8 +723,62 @@ SELECT {h}.name, {h}.token, {h}.expires_at FROM {h} JOIN {_BATCH}
     ON {h}.name = b.b_name AND {h}.owner = b.b_owner AND {h}.token = b.b_token
     JOIN {t} AS l ON l.name = {h}.name AND l.owner = {_SHARED};
 COMMIT"""
+    # upgrade, downgrade: PostgreSQL's contracts (backends/postgresql.py). One transaction
+    #   each, the name's row locked first; the write lease's token is the row's plus one,
+    #   as every grant of the name draws.
+    upgrade = f"""BEGIN NOT ATOMIC
+START TRANSACTION;
+SET @dblock_o = NULL, @dblock_t = NULL, @dblock_g = NULL, @dblock_e = NULL, @dblock_w = NULL;
+SELECT owner, token INTO @dblock_o, @dblock_t FROM {t} WHERE name = %(name)s FOR UPDATE;
+IF @dblock_o = %(owner)s THEN
+    UPDATE {t} SET expires_at = (@dblock_e := GREATEST(expires_at, {EXPIRES})) WHERE name = %(name)s;
+    SET @dblock_g = 1;
+ELSEIF @dblock_o = {_SHARED} THEN
+    DELETE FROM {h} WHERE name = %(name)s AND expires_at <= {NOW};
+    IF EXISTS (SELECT 1 FROM {h} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+               AND upgradeable > 0) THEN
+        SELECT COUNT(*), MIN(expires_at) INTO @dblock_n, @dblock_x FROM {h}
+        WHERE name = %(name)s AND owner <> %(owner)s;
+        IF @dblock_n > 0 THEN
+            UPDATE {h} SET upgradeable = 2 WHERE name = %(name)s AND owner = %(owner)s AND upgradeable = 1;
+            SET @dblock_g = 0, @dblock_w = @dblock_x - {NOW};
+        ELSE
+            SELECT label INTO @dblock_l FROM {h} WHERE name = %(name)s AND owner = %(owner)s;
+            DELETE FROM {h} WHERE name = %(name)s AND owner = %(owner)s;
+            SET @dblock_t = @dblock_t + 1, @dblock_e = {EXPIRES}, @dblock_g = 1;
+            UPDATE {t} SET owner = %(owner)s, token = @dblock_t, acquired_at = {NOW}, expires_at = @dblock_e,
+                label = @dblock_l
+            WHERE name = %(name)s;
+        END IF;
+    END IF;
+END IF;
+SELECT @dblock_g, IF(@dblock_g, @dblock_t, NULL), @dblock_e, @dblock_w FROM DUAL WHERE @dblock_g IS NOT NULL;
+COMMIT;
+END"""
+    downgrade = f"""BEGIN NOT ATOMIC
+START TRANSACTION;
+SET @dblock_o = NULL, @dblock_t = NULL, @dblock_l = NULL, @dblock_r = NULL, @dblock_e = NULL;
+SELECT owner, token, label INTO @dblock_o, @dblock_t, @dblock_l FROM {t} WHERE name = %(name)s FOR UPDATE;
+IF @dblock_o = %(owner)s THEN
+    SET @dblock_r = @dblock_t + 1, @dblock_e = {EXPIRES};
+    UPDATE {t} SET owner = {_SHARED}, token = @dblock_r, acquired_at = {NOW}, expires_at = @dblock_e, label = NULL
+    WHERE name = %(name)s;
+    INSERT INTO {h} (name, owner, token, acquired_at, expires_at, label, lim, upgradeable)
+    VALUES (%(name)s, %(owner)s, @dblock_r, {NOW}, @dblock_e, @dblock_l, NULL, 1)
+    ON DUPLICATE KEY UPDATE token = VALUES(token), acquired_at = VALUES(acquired_at),
+        expires_at = VALUES(expires_at), label = VALUES(label), lim = NULL, upgradeable = 1;
+ELSEIF @dblock_o = {_SHARED} THEN
+    SELECT token, expires_at INTO @dblock_r, @dblock_e FROM {h}
+    WHERE name = %(name)s AND owner = %(owner)s AND upgradeable > 0 AND expires_at > {NOW};
+    UPDATE {h} SET upgradeable = 1
+    WHERE name = %(name)s AND owner = %(owner)s AND upgradeable > 0 AND expires_at > {NOW};
+END IF;
+SELECT @dblock_r, @dblock_e FROM DUAL WHERE @dblock_r IS NOT NULL;
+COMMIT;
+END"""
     remaining = "{0}.expires_at - " + NOW
     return dict(
+        upgrade=upgrade, downgrade=downgrade,
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many,
         leases=leases_statement(t, h, NOW, remaining, "0", "1"),

@@ -32,12 +32,14 @@ from .._faults import OutOfTime, first_line, missing_schema_hint
 from .._redact import display_url
 from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
 from ..schema import (
+    LISTENER_LOCK,
     holders_table_name,
     procs_table_name,
     queue_function_names,
     shared_function_names,
     shared_queue_function_names,
     token_sequence_name,
+    upgrade_function_names,
     waiters_table_name,
 )
 from .base import SHARED as _SHARED
@@ -82,7 +84,7 @@ class PostgreSQL(Backend):
         exclusive = _postgresql(
             names.table, names.seq, names.procs, names.enqueue, names.handoff, names.cancel, names.queue
         )
-        shared = _postgresql_shared(names.table, names.holders, *names.shared)
+        shared = _postgresql_shared(names.table, names.holders, *names.shared, *names.upgrade)
         return Statements(
             acquire=exclusive["acquire"], holder=None, release=exclusive["release"],
             release_held=exclusive["release_held"], released=exclusive["released"], extend=exclusive["extend"],
@@ -230,8 +232,14 @@ class PostgreSQL(Backend):
             raise ValueError(f"not a channel name: {channel!r}")
         return [f"SET application_name = '{APPLICATION_NAME}'", f"LISTEN {channel}"]
 
-    # The listening session as the hand-off checks a waiter's liveness (its pid and start).
-    session = "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid())"
+    # The listening session as the hand-off checks a waiter's liveness (its pid and start),
+    # which from now on holds the advisory lock (LISTENER_LOCK, pid) until it ends (migration
+    # 0011): a hand-off that cannot take it shared knows the session lives, in O(1). It waits
+    # at most for a hand-off that checked a gone session of the same pid to commit.
+    session = (
+        "SELECT pg_backend_pid(), backend_start::text FROM pg_stat_get_activity(pg_backend_pid()),"
+        f" pg_advisory_lock({LISTENER_LOCK}, pg_backend_pid())"
+    )
 
     @staticmethod
     def handed(payload: str) -> tuple[str, int, float] | None:
@@ -315,6 +323,7 @@ class _Names:
         self.holders = prefix + quote(holders_table_name(table))
         self.shared = [prefix + quote(n) for n in shared_function_names(table)]
         self.share_enqueue = prefix + quote(shared_queue_function_names(table)[1])
+        self.upgrade = [prefix + quote(n) for n in upgrade_function_names(table)]
 
 
 # -- engines: dblock's own connections are psycopg 3, whatever the app's driver ----------
@@ -717,7 +726,7 @@ FROM r"""
 
 def _share_enqueue(fn: str) -> str:
     # share_enqueue (fair waiting for a shared lease, migration 0008)
-    # binds: enqueue's, and limit (NULL: a reader)
+    # binds: enqueue's, limit (NULL: a reader) and upgradeable (the upgradeable reader)
     # returns one row as enqueue does (granted, token, expires_at, wait, seq, ahead, at):
     #   readers, semaphore waiters and writers of a name wait in one line, in
     #   arrival order; each call first grants whoever of the line's head fits
@@ -725,15 +734,19 @@ def _share_enqueue(fn: str) -> str:
     #   lease ends. A look while a writer holds and owner is in line writes nothing.
     return f"""
 SELECT * FROM {fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int, %(proc)s, %(lapse)s::float8,
-    %(pid)s::int, %(start)s::timestamptz, %(until)s::float8, %(seq)s::bigint)"""
+    %(pid)s::int, %(start)s::timestamptz, %(until)s::float8, %(seq)s::bigint,
+    %(upgradeable)s::boolean)"""
 
 
 # -- shared leases (read locks and semaphores, migration 0007; see base.SHARED) ----------
 
 
-def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_fn: str) -> dict[str, str]:
+def _postgresql_shared(
+    t: str, h: str, acquire_fn: str, release_fn: str, extend_fn: str, upgrade_fn: str, downgrade_fn: str
+) -> dict[str, str]:
     # share_acquire
-    # binds: name, owner, ttl, label, limit (NULL: a reader, no limit of its own)
+    # binds: name, owner, ttl, label, limit (NULL: a reader, no limit of its own), upgradeable
+    #   (true: the upgradeable reader, of which one lives at a time; limit is then NULL)
     # returns one row (granted, token, expires_at, wait, free):
     #   granted: a fresh token drawn after the name's row lock (G2: larger than
     #     every earlier grant of the name, shared or exclusive) and the database
@@ -741,7 +754,9 @@ def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_
     #   not granted: a writer holds the name (wait: seconds until its lease
     #     ends), a live writer waits in the fair queue (wait NULL: readers let
     #     it go first), or as many live holders as the smallest limit of the
-    #     caller and of every live holder (wait: until the first of them ends).
+    #     caller and of every live holder (wait: until the first of them ends), or
+    #     (migration 0010) an upgradeable reader asks to upgrade, or the caller is
+    #     one and another lives (wait: until the first holder's lease ends).
     #   free: on a grant, the slots it left (the smallest live limit less the
     #     live holders; NULL when no limit binds), so a waiter next in line
     #     knows whether to look at once. NULL on a miss.
@@ -750,7 +765,8 @@ def _postgresql_shared(t: str, h: str, acquire_fn: str, release_fn: str, extend_
     #   the call has granted whoever of the line fits (a lease that ran out unreleased).
     # A miss behind a writer reads only; other misses lock the row.
     share_acquire = (
-        f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int)"
+        f"SELECT * FROM {acquire_fn}(%(name)s, %(owner)s, %(ttl)s::float8, %(label)s, %(limit)s::int, "
+        "%(upgradeable)s::boolean)"
     )
     # share_release
     # binds: name, owner, token
@@ -777,7 +793,34 @@ SELECT b.name, b.token, e.expires_at
 FROM unnest(%(names)s::text[], %(owners)s::text[], %(tokens)s::bigint[], %(ttls)s::float8[])
     AS b(name, owner, token, ttl)
 CROSS JOIN LATERAL {extend_fn}(b.name, b.owner, b.token, b.ttl) AS e"""
+    # upgrade (the upgradeable read lock, migration 0010)
+    # binds: name, owner, token (the upgradeable reader's lease), ttl
+    # returns one row (granted, token, expires_at, wait):
+    #   granted: the caller was the name's only live holder, and its read lease is now the
+    #     name's exclusive (write) lease, with a token drawn after the row lock (larger than
+    #     every earlier grant of the name) and the expiry now + ttl by the database clock.
+    #     An owner that holds the write lease already (a retry after a lost reply) gets it
+    #     back, its expiry renewed, never shortened.
+    #   not granted: other holders are live (wait: seconds until the first of their leases
+    #     ends). From now on no shared lease of the name is granted, in line or not, until
+    #     the caller upgrades, withdraws (downgrade), or its lease ends.
+    #   Zero rows: the read lease is gone (released, or it ran out and was forgotten), or
+    #   it is not an upgradeable reader's.
+    upgrade = f"SELECT * FROM {upgrade_fn}(%(name)s, %(owner)s, %(token)s::bigint, %(ttl)s::float8)"
+    # downgrade
+    # binds: name, owner, token, ttl
+    # returns one row (token, expires_at):
+    #   owner's write lease, even past its ttl while nobody took it over (and whatever its
+    #     token: an upgrade whose reply was lost never told the caller), is now the
+    #     upgradeable reader's lease of owner: a new token (drawn after the row lock),
+    #     expiring at now + ttl; readers in the fair queue are admitted;
+    #   or owner is the upgradeable reader and withdraws its ask to upgrade (or this is a
+    #     retry after a lost reply): its lease as it stands, token unchanged, and shared
+    #     leases are granted again.
+    #   Zero rows: released, or taken over.
+    downgrade = f"SELECT * FROM {downgrade_fn}(%(name)s, %(owner)s, %(token)s::bigint, %(ttl)s::float8)"
     return dict(
+        upgrade=upgrade, downgrade=downgrade,
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many, leases=leases_statement(
             t, h, "now()", "EXTRACT(EPOCH FROM {0}.expires_at - now())::float8", "false", "true"

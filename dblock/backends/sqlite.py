@@ -174,7 +174,7 @@ def translate(exc: BaseException, where: str, table: str, schema: str | None = N
     text = str(exc)
     if isinstance(exc, sqlite3.OperationalError) and "no such table" in text:
         return SchemaMissing(f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}")
-    if isinstance(exc, sqlite3.OperationalError) and "no such column" in text:
+    if isinstance(exc, sqlite3.OperationalError) and ("no such column" in text or "has no column named" in text):
         return SchemaMissing(
             f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
             f"{missing_schema_hint(where, table, schema, upgrade=True)}"
@@ -320,23 +320,27 @@ RETURNING acquired_at"""
 
 def _sqlite_shared(t: str, h: str) -> dict[str, str]:
     # share_acquire
-    # binds: name, owner, ttl, label, limit
+    # binds: name, owner, ttl, label, limit, upgradeable (1: the upgradeable reader)
     # returns one row (token, expires_at, free) when granted; zero rows when not
     #   (then share_holder tells how long to wait). The same grant rule as
     #   PostgreSQL's, less the fair queue (SQLite's writers poll): no live
     #   writer, and fewer live holders than the caller's limit and every live
-    #   holder's. The token is max(token) + 1 over the lock table, inside
+    #   holder's; and no live upgradeable reader asks to upgrade (nor, for an upgradeable
+    #   reader, is another live). The token is max(token) + 1 over the lock table, inside
     #   SQLite's single-writer transaction; the grant trigger (migration 0007)
     #   writes it into the name's row, so the next grant, of any kind, draws above it (G2).
     #   Not a retry-safe upsert: a second attempt with the same owner is a miss.
     live = f"(SELECT count(*) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})"
     share_acquire = f"""
-INSERT INTO {h} (name, owner, token, acquired_at, expires_at, label, lim)
-SELECT :name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {SQLITE_NOW}, {_EXPIRES}, :label, :limit
+INSERT INTO {h} (name, owner, token, acquired_at, expires_at, label, lim, upgradeable)
+SELECT :name, :owner, (SELECT coalesce(max(token), 0) + 1 FROM {t}), {SQLITE_NOW}, {_EXPIRES}, :label, :limit,
+    :upgradeable
 WHERE NOT EXISTS (
     SELECT 1 FROM {t} WHERE name = :name AND owner IS NOT NULL AND owner <> {_SHARED} AND expires_at > {SQLITE_NOW})
   AND (:limit IS NULL OR {live} < :limit)
   AND NOT EXISTS (SELECT 1 FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW} AND lim <= {live})
+  AND NOT EXISTS (
+    SELECT 1 FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW} AND upgradeable >= 2 - :upgradeable)
 ON CONFLICT (name, owner) DO NOTHING
 RETURNING token, expires_at,
     (SELECT min(lim) - count(*) FROM {h} WHERE name = :name AND expires_at > {SQLITE_NOW})"""
@@ -365,7 +369,38 @@ UPDATE {h} SET expires_at = max(expires_at, {SQLITE_NOW} + b.ttl + 0.002)
 {_BATCH}
   AND EXISTS (SELECT 1 FROM {t} AS l WHERE l.name = b.b_name AND l.owner = {_SHARED})
 RETURNING name, token, expires_at"""
+    # upgrade, downgrade: PostgreSQL's contracts (backends/postgresql.py), but for the retry
+    #   of an upgrade after a lost reply: SQLite's statements are never cut off, so never
+    #   retried (an upgrade that already happened answers zero rows).
+    # upgrade: one UPDATE of the upgradeable reader's row. Alone among the live holders, the
+    #   row takes the write lease's expiry and is marked 3, and the upgrade trigger (migration
+    #   0010) makes the name's row the write lease, with the next token (max + 1, which the
+    #   RETURNING clause reads before that trigger runs), and drops the name's holders; else
+    #   the row is marked 2 (an ask to upgrade: share_acquire grants nobody beside it).
+    others = f"EXISTS (SELECT 1 FROM {h} AS o WHERE o.name = :name AND o.owner <> :owner AND o.expires_at > {SQLITE_NOW})"
+    upgrade = f"""
+UPDATE {h} SET
+    upgradeable = CASE WHEN {others} THEN 2 ELSE 3 END,
+    expires_at = CASE WHEN {others} THEN expires_at ELSE {_EXPIRES} END
+WHERE name = :name AND owner = :owner AND token = :token AND upgradeable > 0 AND expires_at > {SQLITE_NOW}
+  AND EXISTS (SELECT 1 FROM {t} WHERE name = :name AND owner = {_SHARED})
+RETURNING upgradeable = 3, (SELECT max(token) + 1 FROM {t}), expires_at,
+    (SELECT min(o.expires_at) FROM {h} AS o WHERE o.name = :name AND o.owner <> :owner AND o.expires_at > {SQLITE_NOW})
+    - {SQLITE_NOW}"""
+    # downgrade: one upsert of the holder's row. From owner's write lease, a
+    #   new row (token max + 1, the grant trigger marks the name's row shared); from the
+    #   upgradeable reader's live row, the same row back to 1 (its ask withdrawn).
+    downgrade = f"""
+INSERT INTO {h} (name, owner, token, acquired_at, expires_at, label, lim, upgradeable)
+SELECT :name, :owner, (SELECT max(token) + 1 FROM {t}), {SQLITE_NOW}, {_EXPIRES}, l.label, NULL, 1
+FROM {t} AS l
+WHERE l.name = :name AND (l.owner = :owner OR l.owner = {_SHARED} AND EXISTS (
+    SELECT 1 FROM {h} AS x WHERE x.name = :name AND x.owner = :owner AND x.upgradeable > 0
+      AND x.expires_at > {SQLITE_NOW}))
+ON CONFLICT (name, owner) DO UPDATE SET upgradeable = 1
+RETURNING token, expires_at"""
     return dict(
+        upgrade=upgrade, downgrade=downgrade,
         share_acquire=share_acquire, share_release=share_release, share_released=share_released,
         share_extend=share_extend, share_extend_many=share_extend_many,
         leases=leases_statement(t, h, SQLITE_NOW, "{0}.expires_at - " + SQLITE_NOW, "0", "1"),
