@@ -1,6 +1,7 @@
 """The floor of a durable hand-over: pg_advisory_lock against the least a fenced, durable hand-over does.
 
     python benchmarks/floor.py [--url postgresql://...] [--handovers 300] [--rounds 3] [--hold 0.002]
+        [--plot PATH.png]
 
 Two threads take turns on one lock: the holder holds ``--hold`` s and lets
 go while the other waits, ``--handovers`` times per round, in ``--rounds``
@@ -16,6 +17,11 @@ interleaved rounds (who goes first rotates). Variants:
   The waiter blocks on its listening connection, with no thread hop. This
   is the floor the issue names (one durable commit plus a NOTIFY wake-up),
   built as cheaply as PostgreSQL allows.
+- ``pg_advisory_lock + durable token``: the server's own queue and wake-up
+  with the one flush a durable fenced grant needs: the waiter blocked in
+  ``pg_advisory_lock`` draws a token, once woken, in one flushed commit
+  (an UPDATE of one row from a sequence), and only then holds. The other
+  floor the issue names.
 - the same with ``synchronous_commit = off``: the floor without the flush,
   which shows what the disk costs (not durable: a grant lost in a crash
   could have its token drawn again after recovery).
@@ -25,8 +31,9 @@ interleaved rounds (who goes first rotates). Variants:
 Columns: release (the holder's call, client side) and hand-over (the
 holder calls release -> the other thread's acquire returns, one clock),
 medians and p99 in ms, and hand-over p50 as a ratio to pg_advisory_lock's
-in the same run. If the least durable hand-over is already past 2x, no
-durable design meets "within 2x of pg_advisory_lock" on this machine.
+in the same run. The last line gives dblock's hand-over p50 as a ratio to
+both floors. --plot draws hand-over p50 and p99 per variant (pip install
+'dblock[plots]').
 
 With no --url (and no DBLOCK_TEST_URL) a throwaway PostgreSQL is started
 with pgserver on the disk (its commits flush), as ``waiters.py`` does.
@@ -47,11 +54,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import rotation  # noqa: E402
 
 ADVISORY = "pg_advisory_lock"
+ADVISORY_TOKEN = "pg_advisory_lock + durable token"
 LEAST = "least durable hand-over"
 LEAST_OFF = "least hand-over, synchronous_commit=off"
 DBLOCK = "dblock fair, NOTIFY (default)"
 DBLOCK_OFF = "dblock, synchronous_commit=off"
 SYNC_OFF = "-c synchronous_commit=off"
+# The variants' names, short enough for a chart's axis.
+SHORT = {
+    ADVISORY: "advisory",
+    ADVISORY_TOKEN: "advisory\n+ durable token",
+    LEAST: "least durable",
+    LEAST_OFF: "least,\nsync. commit off",
+    DBLOCK: "dblock",
+    DBLOCK_OFF: "dblock,\nsync. commit off",
+}
 TABLE = "floor_" + secrets.token_hex(4)  # this run's tables: TABLE (the least hand-over's), TABLE_dblock, TABLE_tokens
 
 Sample = tuple[list[float], list[float]]  # release call times, hand-over times (seconds)
@@ -114,9 +131,17 @@ def _turns(
     return released, handed
 
 
-def advisory(url: str, handovers: int, hold: float) -> Sample:
+def advisory(url: str, handovers: int, hold: float, token: bool = False) -> Sample:
+    """pg_advisory_lock's own queue and wake-up; ``token``: once woken, the waiter also draws a
+    token in one flushed commit before it holds (a durable fenced grant)."""
     import psycopg
 
+    draw = f"UPDATE {TABLE}_grants SET token = nextval('{TABLE}_tokens') WHERE name = 'x' RETURNING token"
+    if token:
+        with psycopg.connect(_dsn(url), autocommit=True) as setup:
+            setup.execute(f"CREATE TABLE IF NOT EXISTS {TABLE}_grants (name text PRIMARY KEY, token bigint NOT NULL)")
+            setup.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
+            setup.execute(f"INSERT INTO {TABLE}_grants VALUES ('x', 0) ON CONFLICT (name) DO NOTHING")
     conns = [psycopg.connect(_dsn(url), autocommit=True) for _ in (0, 1)]
     for c in conns:
         c.execute("SET lock_timeout = '10s'")  # a turn that never comes fails the run instead of hanging it
@@ -124,6 +149,8 @@ def advisory(url: str, handovers: int, hold: float) -> Sample:
 
         def take(i: int) -> None:
             conns[i].execute("SELECT pg_advisory_lock(7210)", prepare=True)
+            if token:
+                conns[i].execute(draw, prepare=True).fetchone()  # flushed before it returns
 
         def give(i: int) -> None:
             conns[i].execute("SELECT pg_advisory_unlock(7210)", prepare=True)
@@ -200,7 +227,12 @@ def main() -> None:
     parser.add_argument("--handovers", type=int, default=300, help="per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hold", type=float, default=0.002)
+    parser.add_argument("--plot", metavar="PATH.png", help="draw hand-over p50 and p99 per variant (needs dblock[plots])")
     args = parser.parse_args()
+    if args.plot:
+        import _plot
+
+        _plot.require()  # before a run of minutes
     server = None
     if not args.url:
         import waiters
@@ -214,6 +246,7 @@ def main() -> None:
             version = c.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
         variants: dict[str, Callable[[], Sample]] = {
             ADVISORY: lambda: advisory(args.url, args.handovers, args.hold),
+            ADVISORY_TOKEN: lambda: advisory(args.url, args.handovers, args.hold, token=True),
             LEAST: lambda: least(args.url, args.handovers, args.hold),
             LEAST_OFF: lambda: least(args.url, args.handovers, args.hold, off=True),
             DBLOCK: lambda: dblock(args.url, args.handovers, args.hold),
@@ -241,11 +274,25 @@ def main() -> None:
             )
         least_ratio = _p(samples[LEAST][1], 50) / base
         flush = _p(samples[LEAST][1], 50) - _p(samples[LEAST_OFF][1], 50)
+        ours = _p(samples[DBLOCK][1], 50)
         print(
-            f"the least durable hand-over is {least_ratio:.2f}x pg_advisory_lock's "
-            f"(its flush {flush:.3f} ms); dblock's is "
-            f"{_p(samples[DBLOCK][1], 50) / _p(samples[LEAST][1], 50):.2f}x the least durable one's"
+            f"the least durable hand-over is {least_ratio:.2f}x pg_advisory_lock's (its flush {flush:.3f} ms); "
+            f"dblock's hand-over p50 is {ours / _p(samples[LEAST][1], 50):.2f}x the least durable one's and "
+            f"{ours / _p(samples[ADVISORY_TOKEN][1], 50):.2f}x pg_advisory_lock + durable token's; its p99 "
+            f"{_p(samples[DBLOCK][1], 99) / _p(samples[LEAST][1], 99):.2f}x and "
+            f"{_p(samples[DBLOCK][1], 99) / _p(samples[ADVISORY_TOKEN][1], 99):.2f}x theirs"
         )
+        if args.plot:
+            import _plot
+
+            names = list(samples)
+            _plot.bar_plot(
+                args.plot, "Hand-over between two threads taking turns (ms)", "ms",
+                [SHORT.get(name, name) for name in names],
+                {q: [_p(samples[name][1], n) for name in names] for q, n in (("p50", 50), ("p99", 99))},
+                note=f"PostgreSQL {version.split()[0]}{', throwaway, on disk' if server else ''}; "
+                f"{args.handovers} hand-overs x {args.rounds} rounds, hold {args.hold * 1000:g} ms",
+            )
     finally:
         if server is not None:
             server.cleanup()
@@ -261,6 +308,7 @@ def _drop(url: str) -> None:
 
     with psycopg.connect(_dsn(url), autocommit=True) as c:
         c.execute(f"DROP TABLE IF EXISTS {TABLE}")
+        c.execute(f"DROP TABLE IF EXISTS {TABLE}_grants")
         c.execute(f"DROP SEQUENCE IF EXISTS {TABLE}_tokens")
     locker = Locker(_url(url, "postgresql+psycopg"), table=TABLE + "_dblock")
     migrate.downgrade(locker.engine, TABLE + "_dblock", None)

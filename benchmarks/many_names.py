@@ -1,7 +1,7 @@
 """Many names: acquire + release over N distinct names, against the same pair on one name, in the same run.
 
     python benchmarks/many_names.py [--url postgresql://...|sqlite:///file] [--names 1000000]
-        [--chunk 1000] [--passes 1]
+        [--chunk 1000] [--passes 1] [--plot PATH.png]
 
 One thread, one Locker on a fresh table. "many names" takes each of --names
 names once (``try_acquire`` + ``release``): every pair inserts the name's row,
@@ -21,6 +21,10 @@ pg_indexes_size, pg_total_relation_size; SQLite: dbstat pages) after the
 run, after ``Locker.prune`` with a tiny age, and after VACUUM; how long each
 step took. With no --url (and no DBLOCK_TEST_URL) it starts a throwaway
 PostgreSQL with pgserver. On SQLite the default is 100,000 names.
+
+--plot PATH.png also draws the tenths' p50 and p99 of both against the names taken so far
+(in pass 1, the rows in the table), with benchmarks/_plot.py (needs matplotlib:
+pip install 'dblock[plots]').
 """
 
 from __future__ import annotations
@@ -107,7 +111,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1000, help="pairs per chunk; the variants alternate chunks")
     ap.add_argument("--passes", type=int, default=1, choices=(1, 2), help="2: take every name again, in random order")
     ap.add_argument("--ttl", type=float, default=30.0)
+    ap.add_argument("--plot", metavar="PATH.png", help="also draw p50/p99 against names taken (needs dblock[plots])")
     args = ap.parse_args()
+    if args.plot:
+        import _plot  # benchmarks/_plot.py
+
+        _plot.require()  # before a run of minutes, not after
     started = time.monotonic()
     server = None
     url = args.url
@@ -223,6 +232,28 @@ def main() -> None:
     print(f"whole run {time.monotonic() - started:.0f} s")
     first = results[0]
     print(f"p50 many names / one name: {first['many_p50'] / first['one_p50']:.2f}x (pass 1)")
+    if args.plot:
+        plot(args.plot, results, f"{version.split(' (')[0]}, {os.cpu_count()} CPUs, {n:,} names, chunks of {args.chunk}")
+
+
+def plot(path: str, results: list[dict[str, Any]], note: str) -> None:
+    """The tenths of each pass: p50 solid, p99 dashed, many names against the one-name floor."""
+    import _plot
+
+    p50: dict[str, list[tuple[float, float]]] = {}
+    p99: dict[str, list[tuple[float, float]]] = {}
+    for p, r in enumerate(results):
+        suffix = "" if p == 0 else ", pass 2 (random order)"
+        for label, at50, at99 in (("many names, each new", 1, 3), ("one name (the floor)", 2, 4)):
+            if p:
+                label = label.removesuffix(", each new")
+            p50[label + suffix] = [(row[0], row[at50]) for row in r["tenths"]]
+            p99[label + suffix] = [(row[0], row[at99]) for row in r["tenths"]]
+    _plot.line_plot(
+        path, "Many names: try_acquire + release, by tenths of the run", "names taken so far (pass 1: rows in the table)",
+        "us per pair (log)", p50, dashed=p99, note="p50 (solid) and p99 (dashed); " + note, logy=True,
+    )
+    print(f"plot: {path}", file=sys.stderr)  # stdout ends with the ratio
 
 
 def run_pass(

@@ -8,8 +8,8 @@ machine's load (1,000 Python threads on 2 cores) moves every figure. This one
 asks only what the issue asks of the queue: does an operation cost the same
 with a long line as with a short one? One connection, one operation at a time,
 on names whose lines are built directly in ``<table>_waiters`` (every waiter
-live: a fresh process heartbeat, and this connection's own session as its
-listener, so the hand-off's session check runs for real). Operations, each
+live: a fresh process heartbeat, and a listener session of its own that holds
+the listener's advisory lock, so the hand-off's session check runs for real). Operations, each
 the exact statement dblock sends:
 
 - join: a new waiter's first look while the lock is held (enqueue, no seq);
@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 from collections import deque
+
+import psycopg
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,9 +63,10 @@ class Line:
         self.conn, self.sql, self.table, self.size = conn, sql, table, size
         self.name = f"line-{size}"
         self.waiters = f"{table}_waiters"
-        pid, start = conn.execute(
-            "SELECT pg_backend_pid(), backend_start FROM pg_stat_get_activity(pg_backend_pid())"
-        ).fetchone()
+        # The waiters' listener: a session of its own, which takes the listener's advisory lock as
+        # dblock's does (backend.session), so the hand-off finds it alive as it finds a real one.
+        self.listener = psycopg.connect(conn.info.dsn, password=conn.info.password, autocommit=True)
+        pid, start = self.listener.execute(backend.session).fetchone()
         self.session = {"pid": pid, "start": start}
         self.owner = secrets.token_hex(16)
         row = conn.execute(sql.acquire, {"name": self.name, "owner": self.owner, "ttl": 3600, "label": "bench"}).fetchone()

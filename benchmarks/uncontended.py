@@ -1,13 +1,29 @@
 """Uncontended cost of one acquire + release pair on one thread, against baselines in the same run.
 
     python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7] [--metrics]
+        [--profile] [--plot PATH.png]
 
 With no --url (and no DBLOCK_TEST_URL) it starts a throwaway PostgreSQL with
 pgserver (pip install -e '.[test]'). Rounds interleave the variants so that
 machine noise hits them alike; the table shows the median microseconds per pair
-and the ratio to the hand-written pair, the figure that matters. --metrics adds
-dblock's pair with dblock.metrics recording into OpenTelemetry's SDK (an
-in-memory reader), to weigh what recording costs against metrics off.
+and the ratio to the hand-written pair, the figure that matters. Baselines:
+
+- the hand-written pair: dblock's own two statements, sent with raw psycopg
+  on a connection of its own (prepared), so the ratio is what dblock's code
+  adds to its statements;
+- the minimal fenced pair: what a user would write without dblock, an
+  upsert that draws a per-name token where the lease is free or has run out
+  (``INSERT ... ON CONFLICT DO UPDATE ... WHERE``) and an owner-checked
+  release (``UPDATE ... WHERE owner AND token``), on a table of its own: no
+  global token order, no waiting count, no label, no hand-off. Against it the
+  ratio is dblock's code and its richer statements together.
+
+--metrics adds dblock's pair with dblock.metrics recording into
+OpenTelemetry's SDK (an in-memory reader), to weigh what recording costs
+against metrics off. --profile then prints where dblock's pair goes: the
+minimal pair, what dblock's statements add, what dblock's code adds, and
+dblock's costliest functions under cProfile. --plot writes the table as a bar
+chart (pip install 'dblock[plots]').
 """
 
 from __future__ import annotations
@@ -16,6 +32,10 @@ import argparse
 import os
 import secrets
 import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -25,13 +45,30 @@ from _timing import interleaved  # benchmarks/_timing.py
 from dblock import Locker, metrics
 
 
+# The variants' names, short enough for a chart's axis.
+SHORT = {
+    "2 x SELECT 1": "2 x SELECT 1",
+    "pg_advisory_lock pair (no TTL, no token)": "advisory\n(no TTL, token)",
+    "minimal fenced pair, raw psycopg": "minimal\nfenced pair",
+    "hand-written pair, raw psycopg": "dblock's statements,\nhand-written",
+    "dblock try_acquire + release": "dblock",
+    "dblock pair, metrics recording (SDK)": "dblock,\nmetrics on",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_URL"))
     ap.add_argument("--pairs", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--metrics", action="store_true", help="add the pair with metrics recording (opentelemetry-sdk)")
+    ap.add_argument("--profile", action="store_true", help="then profile dblock's pair: where its time goes")
+    ap.add_argument("--plot", metavar="PATH.png", help="write the table as a bar chart (needs dblock[plots])")
     args = ap.parse_args()
+    if args.plot:
+        import _plot
+
+        _plot.require()
     server = None
     url = args.url
     if not url:
@@ -59,8 +96,27 @@ def main() -> None:
     def hand_written() -> None:
         owner = secrets.token_hex(16)
         params = {"name": "hand", "owner": owner, "ttl": 30.0, "label": label}
-        (_, token, _, _) = own.execute(sql.acquire, params).fetchone()
-        own.execute(sql.release, {"name": "hand", "owner": owner, "token": token}).fetchall()
+        (_, token, _, _) = own.execute(sql.acquire, params, prepare=True).fetchone()
+        own.execute(sql.release, {"name": "hand", "owner": owner, "token": token}, prepare=True).fetchall()
+
+    # The minimal fenced pair, on a table and connection of its own.
+    minimal_table = table + "_minimal"
+    mine = psycopg.connect(dsn, autocommit=True)
+    mine.execute(
+        f"CREATE TABLE {minimal_table} (name text PRIMARY KEY, owner text, token bigint NOT NULL, expires_at timestamptz)"
+    )
+    take = f"""
+INSERT INTO {minimal_table} AS l (name, owner, token, expires_at)
+VALUES (%(name)s, %(owner)s, 1, now() + %(ttl)s * interval '1 second')
+ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, token = l.token + 1, expires_at = excluded.expires_at
+WHERE l.owner IS NULL OR l.expires_at <= now()
+RETURNING token"""
+    give = f"UPDATE {minimal_table} SET owner = NULL WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s"
+
+    def minimal() -> None:
+        owner = secrets.token_hex(16)
+        (token,) = mine.execute(take, {"name": "min", "owner": owner, "ttl": 30.0}, prepare=True).fetchone()
+        mine.execute(give, {"name": "min", "owner": owner, "token": token}, prepare=True)
 
     def advisory() -> None:
         raw.execute("SELECT pg_advisory_lock(42)").fetchall()
@@ -72,6 +128,7 @@ def main() -> None:
     variants = {
         "2 x SELECT 1": select1,
         "pg_advisory_lock pair (no TTL, no token)": advisory,
+        "minimal fenced pair, raw psycopg": minimal,
         "hand-written pair, raw psycopg": hand_written,
         "dblock try_acquire + release": dblock_pair,
     }
@@ -93,18 +150,85 @@ def main() -> None:
         variants["dblock pair, metrics recording (SDK)"] = dblock_pair_recorded
     medians = interleaved(variants, args.rounds, args.pairs)
     base = medians["hand-written pair, raw psycopg"]
+    least = medians["minimal fenced pair, raw psycopg"]
     print(f"uncontended, {args.rounds} rounds x {args.pairs} pairs, PostgreSQL {raw.info.server_version}")
-    print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16}")
-    for label, med in medians.items():
-        print(f"{label:45} {med:9.1f} {med / base:15.2f}x")
+    print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16} {'vs minimal':>11}")
+    for name, med in medians.items():
+        print(f"{name:45} {med:9.1f} {med / base:15.2f}x {med / least:10.2f}x")
+    if args.profile:
+        profile(locker, dblock_pair, args.pairs * args.rounds, medians)
+    if args.plot:
+        import _plot
+
+        _plot.bar_plot(
+            args.plot, "Uncontended acquire + release, one thread", "us per pair (median)",
+            [SHORT.get(name, name) for name in medians], {"us per pair": list(medians.values())},
+            note=f"PostgreSQL {raw.info.server_version // 10000}; {args.rounds} rounds x {args.pairs} pairs",
+        )
     raw.close()
     own.close()
+    mine.execute(f"DROP TABLE {minimal_table}")
+    mine.close()
     locker.close()
     from dblock import migrate
 
     migrate.downgrade(locker.engine, table, None)
     if server is not None:
         server.cleanup()
+
+
+def profile(locker: Locker, pair: Callable[[], None], pairs: int, medians: dict[str, float]) -> None:
+    """Where dblock's pair goes: from the medians, the minimal fenced pair, what dblock's richer
+    statements add to it (its statements hand-written, less the minimal pair) and what dblock's
+    code adds to those (dblock's pair, less its statements hand-written); then ``pair`` run
+    ``pairs`` times under cProfile, for dblock's own functions that cost most (their own time,
+    not their callees'; cProfile slows Python calls down, so these are upper bounds); and last,
+    the CPU time of dblock's code alone, the database's replies canned (no socket, no server),
+    which a loaded machine disturbs far less than the medians."""
+    import cProfile
+    import pstats
+
+    import dblock as package
+
+    least = medians["minimal fenced pair, raw psycopg"]
+    statements = medians["hand-written pair, raw psycopg"]
+    ours = medians["dblock try_acquire + release"]
+    print("where dblock's pair goes (us per pair, from the medians above):")
+    for part, us in (
+        ("the minimal fenced pair", least),
+        ("+ dblock's richer statements", statements - least),
+        ("+ dblock's own code", ours - statements),
+    ):
+        print(f"  {part:45} {us:9.1f}")
+    where = str(Path(package.__file__).resolve().parent)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(pairs):
+        pair()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    own = sorted(
+        ((tottime, calls, f"{Path(filename).name}:{function}") for (filename, _, function), (calls, _, tottime, _, _)
+         in stats.items() if filename.startswith(where)),
+        reverse=True,
+    )
+    total = sum(t for t, _, _ in own)
+    print(f"dblock's own functions under cProfile: {total / pairs * 1e6:.1f} us per pair in all; the most:")
+    for tottime, calls, name in own[:8]:
+        print(f"  {name:45} {tottime / pairs * 1e6:9.1f} us  ({calls / pairs:g} calls per pair)")
+    # The replies dblock's two statements get when the name is free: a grant, then "ended here".
+    backend, sql = locker.backend, locker.backend.sql
+    expires = datetime.now(timezone.utc) + timedelta(seconds=30)
+    canned = {sql.acquire: [(True, 1, expires, None)], sql.release: [(1, False)]}
+    backend.execute = lambda cursor, statement, params: canned[statement]  # type: ignore[method-assign]
+    try:
+        started = time.thread_time()
+        for _ in range(pairs):
+            pair()
+        cpu = (time.thread_time() - started) / pairs * 1e6
+    finally:
+        del backend.execute  # the class's own again
+    print(f"dblock's own code, the replies canned: {cpu:.1f} us of CPU per pair ({cpu / ours:.1%} of dblock's pair above)")
 
 
 if __name__ == "__main__":

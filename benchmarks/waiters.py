@@ -2,7 +2,7 @@
 
     python benchmarks/waiters.py [--url postgresql://...] [--sizes 12,200,1000] [--settle S]
         [--seconds S] [--rounds 2] [--hold 0.002] [--timeout S] [--variants dblock;pg_advisory_lock|all]
-        [--breakdown 12|none] [--advisory-max N]
+        [--breakdown 12|none] [--advisory-max N] [--plot PATH.png]
 
 A size is a number of waiting threads, spread over worker processes:
 12 = 3 processes x 4 threads, 200 = 4 x 50, 1000 = 10 x 100; or write PxT
@@ -49,14 +49,20 @@ splits dblock's hand-over: (a) the release call, (b) of which the commit's
 WAL flush (release p50 with the flush minus without it; and the server's mean
 WAL sync time from pg_stat_wal when ``track_wal_io_timing`` is on, as on the
 throwaway server), (c) notification delivery: release returns -> the
-waiter's listener thread dispatches the NOTIFY (``dblock._wait.Listener.
-_dispatch`` is wrapped in the workers to stamp it; n/a if it does not exist;
-negative when the listener hears it before the release call has returned),
-(d) thread wake-up: dispatch -> the waiting thread's acquire returns. Only
+NOTIFY is dispatched in the waiter's process (``dblock._wait.Listener._dispatch``
+is wrapped in the workers to stamp it; n/a if it does not exist; negative when
+it is heard before the release call has returned), by whichever thread reads
+the listener's connection (the waiting thread itself, unless another waiter of
+its process reads it), (d) wake-up: dispatch -> the waiting thread's acquire
+returns. Only
 hand-overs whose waiter was woken by a notification are split ("notified").
 
 With no --url (and no DBLOCK_TEST_URL) a throwaway PostgreSQL is started with
 pgserver, with ``max_connections`` raised to fit the largest size.
+
+--plot PATH.png also draws hand-over p50 and p99 against the number of waiters, a line
+per variant (the breakdown's synchronous_commit=off variant left out), with
+benchmarks/_plot.py (needs matplotlib: pip install 'dblock[plots]').
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _plot  # noqa: E402 - benchmarks/_plot.py, for --plot
 import contended  # noqa: E402 - the worker machinery: counting hook, dblock and advisory clients
 
 DBLOCK = "dblock fair, NOTIFY (default)"
@@ -440,6 +447,7 @@ def main() -> None:
         "--advisory-max", type=int, default=1000,
         help="run pg_advisory_lock up to this many waiters (one server session each)",
     )
+    ap.add_argument("--plot", metavar="PATH.png", help="also draw hand-over p50/p99 against waiters (needs dblock[plots])")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--table", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, help=argparse.SUPPRESS)
@@ -453,6 +461,8 @@ def main() -> None:
         args.dsn = make_url(args.url).set(drivername="postgresql").render_as_string(hide_password=False)
         worker(args)
         return
+    if args.plot:
+        _plot.require()  # before a run of minutes, not after
 
     sizes = [Size(s.strip()) for s in args.sizes.split(",") if s.strip()]
     variants = list(VARIANTS)
@@ -637,6 +647,23 @@ def main() -> None:
             f"dblock release p50 at {last} waiters / at {plan[0][0].label}: "
             f"{_fmt(results[(last, DBLOCK)]['release'] / first[DBLOCK], 0)}x (target <= 1.5x at 1000 vs 12)"
         )
+    if args.plot:
+        plotted = [v for v in variants if v != SYNC_OFF]
+        p50: dict[str, list[tuple[float, float]]] = {v: [] for v in plotted}
+        p99: dict[str, list[tuple[float, float]]] = {v: [] for v in plotted}
+        for size, vs in plan:
+            for v in plotted:
+                if v in vs:
+                    p50[v].append((size.waiters, results[(size.label, v)]["p50"]))
+                    p99[v].append((size.waiters, results[(size.label, v)]["p99"]))
+        _plot.line_plot(
+            args.plot, "Waiters at scale: hand-over (a release -> another thread's acquire returns)",
+            "threads waiting for one name", "hand-over, ms (log)", {v: pts for v, pts in p50.items() if pts},
+            dashed=p99, note=f"p50 (solid) and p99 (dashed); PostgreSQL {version}, {os.cpu_count()} CPUs, "
+            f"hold {args.hold * 1000:g} ms, {args.rounds} round(s) per size",
+            logx=True, logy=True,
+        )
+        print(f"plot: {args.plot}", file=sys.stderr)  # stdout ends with the ratios
     if server is not None:
         server.cleanup()
 

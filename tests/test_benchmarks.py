@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+# The benchmarks that draw a figure with --plot PATH.png (benchmarks/_plot.py, dblock[plots]):
+# their run below draws it too.
+PLOTTED = {"waiters.py", "many_names.py", "idle_listeners.py", "uncontended.py", "floor.py"}
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
     "script, sizes",
     [
-        ("uncontended.py", ["--rounds", "1", "--pairs", "3"]),
+        ("uncontended.py", ["--rounds", "1", "--pairs", "3", "--profile"]),
         ("fenced_write.py", ["--rounds", "1", "--writes", "3"]),
         ("contended.py", ["--processes", "2", "--threads", "2", "--attempts", "4", "--rounds", "1",
                           "--variants", "dblock;pg_advisory"]),
@@ -26,13 +32,16 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("aio.py", ["--rounds", "1", "--pairs", "3", "--tasks", "3", "--seconds", "0.3"]),
         ("shared.py", ["--processes", "2", "--threads", "2", "--seconds", "0.3", "--rounds", "1", "--sem-processes", "2",
                        "--sem-threads", "3", "--limit", "2", "--attempts", "3"]),
+        ("idle_listeners.py", ["--processes", "2", "--handoffs", "3", "--rounds", "1", "--settle", "0"]),
         ("coordination.py", ["--sizes", "2,3", "--pairs", "4", "--rounds", "1", "--handovers", "2", "--block", "1",
                              "--settle", "0.05", "--observations", "2", "--interval", "0.1"]),
     ],
 )
-def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
+def test_benchmark_runs(pg_url: str, tmp_path: Path, script: str, sizes: list[str]) -> None:
+    figure = tmp_path / "figures" / "x.png"  # a folder that does not exist yet: the plot makes it
+    plot = ["--plot", str(figure)] if script in PLOTTED else []
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--url", pg_url, *sizes],
+        [sys.executable, str(BENCHMARKS / script), "--url", pg_url, *sizes, *plot],
         capture_output=True,
         text=True,
         timeout=120,
@@ -40,6 +49,35 @@ def test_benchmark_runs(pg_url: str, script: str, sizes: list[str]) -> None:
     assert out.returncode == 0, out.stderr
     last = out.stdout.splitlines()[-1]
     assert "x" in last or "%" in last  # the last row carries its ratio, or its regrant share
+    if plot:
+        assert figure.read_bytes().startswith(PNG), out.stderr
+
+
+def test_plot_without_matplotlib_names_the_extra_before_the_run(tmp_path: Path) -> None:
+    """--plot where matplotlib cannot be imported stops at once, naming dblock[plots]."""
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "many_names.py"), "--url", "postgresql://nobody@127.0.0.1:1/none",
+         "--plot", str(tmp_path / "x.png")],
+        capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "pip install 'dblock[plots]'" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_the_figures_of_benchmarks_md_exist_from_the_root_and_from_docs() -> None:
+    """BENCHMARKS.md names its figures from the repository's root, as GitHub shows it;
+    docs/benchmarks.md, which includes it, names the same files again from docs/."""
+    text, page = (ROOT / "BENCHMARKS.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text()
+    definitions = re.compile(r"^\[([\w-]+)\]: (\S+)$", re.M)
+    here, there = dict(definitions.findall(text)), dict(definitions.findall(page))
+    figures = re.findall(r"!\[[^\]]*\]\[([\w-]+)\]", text)
+    assert len(figures) >= 3 and not re.search(r"!\[[^\]]*\]\(", text)  # by reference, not inline
+    for ref in figures:
+        assert (ROOT / here[ref]).resolve() == (ROOT / "docs" / there[ref]).resolve(), ref
+        assert (ROOT / here[ref]).read_bytes().startswith(PNG), ref
 
 
 def test_waiters_benchmark_splits_the_hand_over(pg_url: str) -> None:
