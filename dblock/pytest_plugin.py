@@ -125,6 +125,22 @@ def memory_dir() -> str | None:
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
+def _system_user_once(name: str = "pgserver") -> None:
+    """As root, pgserver runs PostgreSQL as the system user ``pgserver`` (``name``), which it makes with
+    ``useradd`` the first time: made here, one process at a time. Test processes that start
+    together on a fresh machine (pytest-xdist's workers) each found no such user and each ran
+    ``useradd``; one server's directory was then given to a user id that was no longer the
+    user's, and its ``initdb`` could not enter it (Permission denied)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return  # pgserver runs PostgreSQL as the current user
+    import fcntl  # noqa: PLC0415 - POSIX only
+
+    utils = importlib.import_module("pgserver.utils")
+    with open(os.path.join(tempfile.gettempdir(), f"dblock-user-{name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        utils.ensure_user_exists(name)
+
+
 def _throwaway_server() -> PostgreSQL:
     with warnings.catch_warnings():
         # pgserver asks platformdirs for a runtime dir, which CI machines often lack.
@@ -137,6 +153,7 @@ def _throwaway_server() -> PostgreSQL:
                 f"(or set ${ENV_URL}), or pip install 'dblock[testing]' for a throwaway server",
                 pytrace=False,
             )
+        _system_user_once()
         # Not under pytest's basetemp: as root, pgserver runs PostgreSQL as another
         # system user that must traverse the path, and every pytest session started
         # meanwhile by the same user resets /tmp/pytest-of-<user> to mode 0700.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
+import secrets
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -275,3 +280,40 @@ def test_the_mariadb_fixtures_start_a_throwaway_server(pytester: pytest.Pytester
     result.assert_outcomes(passed=2)
     databases = (pytester.path / "databases.txt").read_text().split()
     assert len(set(databases)) == 2 and all(d.startswith("dblock_test_") for d in databases)
+
+
+USER_MAKER = """
+import pwd, sys
+from dblock import pytest_plugin
+print("ready", flush=True)
+sys.stdin.readline()
+pytest_plugin._system_user_once(sys.argv[1])
+print(pwd.getpwnam(sys.argv[1]).pw_uid, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root makes pgserver's system user")
+@pytest.mark.skipif(shutil.which("useradd") is None, reason="no useradd on this machine to make a system user with")
+def test_test_processes_started_together_make_one_system_user(tmp_path: Path) -> None:
+    """As root, pgserver runs PostgreSQL as a system user it makes on first use; xdist's workers
+    start their servers together. Four processes told to make the same new user at the same moment
+    all see one user id (unserialized, each ran useradd and each saw its own id: 5 runs in 5)."""
+    name = "dbt" + secrets.token_hex(4)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", USER_MAKER, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        for p in procs:  # released together, once all are ready
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        seen = [p.communicate(timeout=60)[0].strip() for p in procs]
+        assert all(p.returncode == 0 for p in procs), seen
+        assert len(set(seen)) == 1 and seen[0] == str(pwd.getpwnam(name).pw_uid), seen
+    finally:
+        for p in procs:
+            p.kill()
+        subprocess.run(["userdel", "-r", name], capture_output=True)
