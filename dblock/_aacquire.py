@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,6 +31,7 @@ from ._acompat import ACancelled, aevent_wait, asleep
 from ._await import AsyncHotspot
 from ._core import OUTAGE_RETRY_MIN, Grant, Granted
 from ._faults import Busy, OutOfTime
+from ._process import new_owner
 from .errors import DatabaseUnavailable, DBLockError, LockNotAcquired
 
 if True:  # ASYNC
@@ -103,7 +103,7 @@ class AsyncAcquirer:
         ``owner``: the id an owner key stands for, ``_core.keyed_owner``)."""
         if owner is None and waiting and self.queued and self.listener is not None:
             owner = self.listener.owner_id()  # hand-offs to it are notified on the listener's channel
-        return Try(secrets.token_hex(16) if owner is None else owner, hold, limit, label)
+        return Try(new_owner() if owner is None else owner, hold, limit, label)
 
     # -- the ways to acquire -----------------------------------------------------------
     async def once(self, name: str, attempt: Try, ttl: float, deadline: float) -> Granted | None:

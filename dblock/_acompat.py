@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Awaitable, Callable, Coroutine, Protocol, TypeVar, Union
 
 from ._core import wait_seconds
+from ._process import current_pid
 
 T = TypeVar("T")
 
@@ -254,17 +255,20 @@ class _Watchdog:
         self._reset()
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        # The hot path takes the plain lock under the condition: ``with`` on the Condition itself
+        # costs two more Python calls per statement.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._busy: set[_Watch] = set()
         self._wake_at = math.inf  # when the thread looks next
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        self._pid = current_pid()
 
     def watch(self, conn: Cut, deadline: float) -> _Watch:
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             self._reset()  # the parent's thread did not survive the fork
         watch = _Watch(conn, deadline)
-        with self._cond:
+        with self._lock:
             self._busy.add(watch)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dblock-watchdog", daemon=True)
@@ -274,7 +278,7 @@ class _Watchdog:
         return watch
 
     def done(self, watch: _Watch) -> None:
-        with self._cond:
+        with self._lock:
             self._busy.discard(watch)
 
     def _run(self) -> None:

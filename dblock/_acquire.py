@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,6 +33,7 @@ from ._acompat import Cancelled, event_wait, sleep
 from ._wait import Hotspot
 from ._core import OUTAGE_RETRY_MIN, Grant, Granted
 from ._faults import Busy, OutOfTime
+from ._process import new_owner
 from .errors import DatabaseUnavailable, DBLockError, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class Acquirer:
         ``owner``: the id an owner key stands for, ``_core.keyed_owner``)."""
         if owner is None and waiting and self.queued and self.listener is not None:
             owner = self.listener.owner_id()  # hand-offs to it are notified on the listener's channel
-        return Try(secrets.token_hex(16) if owner is None else owner, hold, limit, label)
+        return Try(new_owner() if owner is None else owner, hold, limit, label)
 
     # -- the ways to acquire -----------------------------------------------------------
     def once(self, name: str, attempt: Try, ttl: float, deadline: float) -> Granted | None:

@@ -36,13 +36,13 @@ gets a clear error, not a connection bound to a loop that may be gone.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ._acompat import ACondition, Armed, acond_wait, acut_at, afinished
 from ._core import IDLE, OPEN, WAIT, Result, pool_turn
 from ._faults import Busy, OutOfTime, first_line, pool_busy
+from ._process import current_pid
 from .backends.base import WRITER_WAIT_MS
 from .errors import DatabaseUnavailable
 
@@ -90,7 +90,8 @@ class AsyncDriver:
         self._idle: list[_AConn] = []
         self._open = 0  # connections checked out or idle (the listener's is not counted)
         self._waiting_out = 0  # connections checked out for waiting acquires' statements
-        self._pid = os.getpid()
+        self._asking = 0  # callers waiting in _checkout for a connection (a return wakes them)
+        self._pid = current_pid()
 
     def _bind(self) -> ACondition:
         """The pool's condition (asyncio: bound to the first loop that uses it)."""
@@ -117,7 +118,7 @@ class AsyncDriver:
         connections at once: one is kept for releases, extends and the rest, so
         a crowd of waiters cannot make a release wait for a connection.
         """
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             # A forked child must not talk over its parent's sockets, and must not
             # wait for a lock some other parent thread held at the fork.
             self._reset()
@@ -137,7 +138,11 @@ class AsyncDriver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise pool_busy(self.size, self.where, type(self).__name__.replace("Driver", "Locker"))
-                await acond_wait(cond, left)  # then looked at once more above, or out of time
+                self._asking += 1
+                try:
+                    await acond_wait(cond, left)  # then looked at once more above, or out of time
+                finally:
+                    self._asking -= 1
         try:
             raw = await self.connect(deadline)
             conn = _AConn(raw, await self.backend.acursor(raw))
@@ -150,11 +155,12 @@ class AsyncDriver:
     async def _checkin(self, conn: _AConn) -> None:
         cond = self._cond  # bound at checkout, on this loop
         async with cond:
-            if self._pid == os.getpid() and not conn.cut and not self._closed:
+            if self._pid == current_pid() and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
-                cond.notify_all()  # waiters' and others' turns differ: let each look
+                if self._asking:
+                    cond.notify_all()  # waiters' and others' turns differ: let each look
                 return
         await self._discard(conn)
 
@@ -166,7 +172,7 @@ class AsyncDriver:
     async def _forget(self, count: int, waiting: bool = False) -> None:
         cond = self._cond  # bound at checkout, on this loop
         async with cond:
-            if self._pid == os.getpid():
+            if self._pid == current_pid():
                 self._open -= count
                 self._waiting_out -= waiting
                 cond.notify_all()
@@ -181,13 +187,13 @@ class AsyncDriver:
 
     def open_connections(self) -> int:
         """How many pooled connections are open now (idle or running a statement)."""
-        return self._open if self._pid == os.getpid() else 0
+        return self._open if self._pid == current_pid() else 0
 
     async def close(self) -> None:
         """Close the idle connections (a forked child leaves its parent's alone). A call made
         after this (a lease's release: a closed Locker still ends what it granted) closes its
         connection when it ends, instead of leaving it idle in a pool nobody closes."""
-        if self._pid == os.getpid():
+        if self._pid == current_pid():
             self._closed = True
             await self._drain()
 

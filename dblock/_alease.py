@@ -72,7 +72,7 @@ class AsyncLease(LeaseView):
         self.token = token
         self._min_hold = min_hold
         hold = metrics.recorder.hold(locker.backend.name, name)
-        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, lost=AEvent())
+        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, AEvent)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
 
     @property

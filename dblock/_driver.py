@@ -38,13 +38,13 @@ gets a clear error, not a connection bound to a loop that may be gone.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ._acompat import Condition, Armed, cond_wait, cut_at, finished
 from ._core import IDLE, OPEN, WAIT, Result, pool_turn
 from ._faults import Busy, OutOfTime, first_line, pool_busy
+from ._process import current_pid
 from .backends.base import WRITER_WAIT_MS
 from .errors import DatabaseUnavailable
 
@@ -86,7 +86,8 @@ class Driver:
         self._idle: list[_Conn] = []
         self._open = 0  # connections checked out or idle (the listener's is not counted)
         self._waiting_out = 0  # connections checked out for waiting acquires' statements
-        self._pid = os.getpid()
+        self._asking = 0  # callers waiting in _checkout for a connection (a return wakes them)
+        self._pid = current_pid()
 
     def _bind(self) -> Condition:
         """The pool's condition (asyncio: bound to the first loop that uses it)."""
@@ -105,7 +106,7 @@ class Driver:
         connections at once: one is kept for releases, extends and the rest, so
         a crowd of waiters cannot make a release wait for a connection.
         """
-        if self._pid != os.getpid():
+        if self._pid != current_pid():
             # A forked child must not talk over its parent's sockets, and must not
             # wait for a lock some other parent thread held at the fork.
             self._reset()
@@ -125,7 +126,11 @@ class Driver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise pool_busy(self.size, self.where, type(self).__name__.replace("Driver", "Locker"))
-                cond_wait(cond, left)  # then looked at once more above, or out of time
+                self._asking += 1
+                try:
+                    cond_wait(cond, left)  # then looked at once more above, or out of time
+                finally:
+                    self._asking -= 1
         try:
             raw = self.connect(deadline)
             conn = _Conn(raw, self.backend.cursor(raw))
@@ -138,11 +143,12 @@ class Driver:
     def _checkin(self, conn: _Conn) -> None:
         cond = self._cond  # bound at checkout, on this loop
         with cond:
-            if self._pid == os.getpid() and not conn.cut and not self._closed:
+            if self._pid == current_pid() and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
-                cond.notify_all()  # waiters' and others' turns differ: let each look
+                if self._asking:
+                    cond.notify_all()  # waiters' and others' turns differ: let each look
                 return
         self._discard(conn)
 
@@ -154,7 +160,7 @@ class Driver:
     def _forget(self, count: int, waiting: bool = False) -> None:
         cond = self._cond  # bound at checkout, on this loop
         with cond:
-            if self._pid == os.getpid():
+            if self._pid == current_pid():
                 self._open -= count
                 self._waiting_out -= waiting
                 cond.notify_all()
@@ -169,13 +175,13 @@ class Driver:
 
     def open_connections(self) -> int:
         """How many pooled connections are open now (idle or running a statement)."""
-        return self._open if self._pid == os.getpid() else 0
+        return self._open if self._pid == current_pid() else 0
 
     def close(self) -> None:
         """Close the idle connections (a forked child leaves its parent's alone). A call made
         after this (a lease's release: a closed Locker still ends what it granted) closes its
         connection when it ends, instead of leaving it idle in a pool nobody closes."""
-        if self._pid == os.getpid():
+        if self._pid == current_pid():
             self._closed = True
             self._drain()
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from . import metrics
 from ._core import trusted_until
+from ._process import current_pid
 from .errors import LeaseLost
 
 
@@ -34,6 +34,9 @@ class LeaseInfo(NamedTuple):
     limit: int | None = None  # a semaphore holder's limit (None: a reader, or an exclusive lease)
 
 
+_MAKING = threading.Lock()  # LeaseState.lost: one Event per lease, whoever asks first
+
+
 class LeaseState:
     """What changes in a lease over its life (internal, not API).
 
@@ -42,10 +45,15 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "lost", "hold", "held_until", "pid")
+    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid")
 
     def __init__(
-        self, expires_at: datetime, ttl: float, trusted_until: float, hold: metrics.Hold, lost: Any = None
+        self,
+        expires_at: datetime,
+        ttl: float,
+        trusted_until: float,
+        hold: metrics.Hold,
+        event: Callable[[], Any] = threading.Event,
     ) -> None:
         self.expires_at = expires_at  # database time, timezone-aware
         self.ttl = ttl
@@ -53,19 +61,37 @@ class LeaseState:
         # process's monotonic clock, never past the database's expiry.
         self.trusted_until = trusted_until
         self.released = False
-        # A threading.Event; an AsyncLease passes an asyncio.Event.
-        self.lost: Any = threading.Event() if lost is None else lost
+        # ``lost``, made on first use (most leases end without anyone asking): a threading.Event,
+        # or what ``event`` makes (an AsyncLease's: an asyncio.Event).
+        self._lost: Any = None
+        self._event = event
         self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
         self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
-        self.pid = os.getpid()  # the process granted it: a forked child may not end or extend it
+        self.pid = current_pid()  # the process granted it: a forked child may not end or extend it
 
     def check_process(self, name: str, verb: str) -> None:
         """Refuse ``verb`` in a forked child: the lease is its parent's, which may still be using it."""
-        if self.pid != os.getpid():
+        if self.pid != current_pid():
             raise RuntimeError(
                 f"the lease on {name!r} belongs to process {self.pid}, the parent of this forked one: "
                 f"only it may {verb} the lease; acquire a lease of the child's own"
             )
+
+    @property
+    def lost(self) -> Any:
+        """The Event set once the holder learns that the lease is gone without its release."""
+        lost = self._lost
+        if lost is None:
+            with _MAKING:  # two threads asking at once get the same Event
+                lost = self._lost
+                if lost is None:
+                    lost = self._lost = self._event()
+        return lost
+
+    def is_lost(self) -> bool:
+        """``lost.is_set()``, making no Event for a lease nobody has lost."""
+        lost = self._lost
+        return lost is not None and bool(lost.is_set())
 
     def lose(self) -> None:
         """The holder learned that the lease is gone without its release."""
@@ -80,7 +106,7 @@ class LeaseState:
 
     def ended(self) -> bool:
         """Released or lost: nothing left to trust or renew."""
-        return self.released or self.lost.is_set()
+        return self.released or self.is_lost()
 
 
 class LeaseView:
@@ -138,7 +164,7 @@ class LeaseView:
         if self._state.released:
             held = self._state.held_until
             return "released" if held is None else f"released, held until {held.isoformat()}"
-        if self._state.lost.is_set():
+        if self._state.is_lost():
             return "lost"
         return f"remaining={self.remaining():.3f}s"
 

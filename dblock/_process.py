@@ -1,11 +1,13 @@
-"""Who this process is: the label operators see next to its leases, and its fair-queue id.
+"""Who this process is: its pid, the owner ids it draws, the label operators see next to its
+leases, and its fair-queue id.
 
-Both are made once per process and made again in a fork's child, which is
+Each is made once per process and made again in a fork's child, which is
 another process (another pid, and its waiters need a heartbeat of their own).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
@@ -17,6 +19,40 @@ from ._redact import redact_command
 from .schema import LABEL_LENGTH
 
 T = TypeVar("T")
+
+# This process's pid and the random half of its owner ids, made again in a fork's child
+# (os.register_at_fork runs before any other code there). The hot paths compare the pid to
+# tell a forked child (getpid() is a system call, and a pair of calls asked for it nine
+# times), and an acquire draws its owner id from a count instead of 16 bytes of urandom.
+_pid = os.getpid()
+_owner_prefix = secrets.token_hex(8)
+_owner_count = itertools.count()
+
+
+def _forked() -> None:
+    global _pid, _owner_prefix, _owner_count  # noqa: PLW0603 - the process's own state, renewed in the child
+    _pid = os.getpid()
+    _owner_prefix = secrets.token_hex(8)
+    _owner_count = itertools.count()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def current_pid() -> int:
+    """``os.getpid()``, without a system call: kept up to date across forks."""
+    return _pid
+
+
+def new_owner() -> str:
+    """A new owner id, 32 hex digits that no other acquire anywhere is given: 16 random ones,
+    made once per process (and again in a fork's child), then a count (atomic: one C call).
+
+    Owner ids must never repeat, as an acquire that presents a live lease's owner id is
+    taken for a retry of that lease's acquire and given the lease; they need not be secret
+    (every lease's owner id is in the table, for whoever may read it).
+    """
+    return f"{_owner_prefix}{next(_owner_count):016x}"
 
 
 def describe_process(command: Sequence[str]) -> str:
@@ -43,8 +79,8 @@ class PerProcess(Generic[T]):
 
     def get(self) -> T:
         made = self._made
-        if made is None or made[1] != os.getpid():
-            made = self._made = (self._make(), os.getpid())
+        if made is None or made[1] != _pid:
+            made = self._made = (self._make(), _pid)
         return made[0]
 
 

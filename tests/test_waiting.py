@@ -521,3 +521,33 @@ def test_a_hand_over_reads_the_head_of_the_line_not_all_of_it(pg: Db) -> None:
     assert max([hand_over() for _ in range(8)][2:]) > pages // 2, "0008's walk no longer reads the line: the measure is blind"
     conn.close()
     locker.create_schema()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_child_draws_owner_ids_no_one_else_draws(db: Db) -> None:
+    """Owner ids are a random half made once per process and a count: a forked child makes its
+    own half (and knows its own pid), so the ids its acquires draw are never its parent's,
+    though both counts go on from the same number. Kept from the parent, a child's acquire
+    would present an id a live lease of the parent's may have, and be given that lease."""
+    from dblock import _process
+
+    locker = db.locker()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        try:
+            lease = locker.try_acquire("child's", ttl=60)
+            drawn = [_process.new_owner() for _ in range(100)]
+            os.write(w, json.dumps([lease.owner if lease else None, drawn, _process.current_pid() == os.getpid()]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    lease = locker.try_acquire("parent's", ttl=60)
+    drawn = [_process.new_owner() for _ in range(100)]
+    os.waitpid(child, 0)
+    with os.fdopen(r) as pipe:
+        child_owner, child_drawn, knows_its_pid = json.loads(pipe.read())
+    assert lease is not None and child_owner is not None and knows_its_pid
+    assert {lease.owner, *drawn}.isdisjoint({child_owner, *child_drawn})
+    assert all(len(o) == 32 and int(o, 16) >= 0 for o in (lease.owner, child_owner, *drawn))
+    assert len({*drawn, *child_drawn}) == 200
