@@ -1,12 +1,17 @@
 """Uncontended cost of one acquire + release pair on one thread, against baselines in the same run.
 
-    python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7] [--metrics]
-        [--profile] [--plot PATH.png]
+    python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7] [--block N]
+        [--metrics] [--profile] [--plot PATH.png]
 
 With no --url (and no DBLOCK_TEST_URL) it starts a throwaway PostgreSQL with
 pgserver (pip install -e '.[test]'). Rounds interleave the variants so that
 machine noise hits them alike; the table shows the median microseconds per pair
-and the ratio to the hand-written pair, the figure that matters. Baselines:
+and the ratio to the hand-written pair, the figure that matters. With
+``--block 1`` the variants take turns pair by pair and each median is of single
+pairs: a busy machine's drift then hits every variant within milliseconds,
+where rounds of 500 pairs put seconds between them (the ratios of three runs in
+a row spread 1.04-1.11x with rounds of 500, 1.08x in both runs with blocks of 1).
+Baselines:
 
 - the hand-written pair: dblock's own two statements, sent with raw psycopg
   on a connection of its own (prepared), so the ratio is what dblock's code
@@ -21,8 +26,9 @@ and the ratio to the hand-written pair, the figure that matters. Baselines:
 --metrics adds dblock's pair with dblock.metrics recording into
 OpenTelemetry's SDK (an in-memory reader), to weigh what recording costs
 against metrics off. --profile then prints where dblock's pair goes: the
-minimal pair, what dblock's statements add, what dblock's code adds, and
-dblock's costliest functions under cProfile. --plot writes the table as a bar
+minimal pair, what dblock's statements add, what dblock's code adds,
+dblock's costliest functions under cProfile, and the CPU of dblock's own code
+per pair with the database's replies canned, on both faces. --plot writes the table as a bar
 chart (pip install 'dblock[plots]').
 """
 
@@ -61,6 +67,11 @@ def main() -> None:
     ap.add_argument("--url", default=os.environ.get("DBLOCK_TEST_URL"))
     ap.add_argument("--pairs", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--block", type=int, default=0,
+        help="time the pairs in rounds of this many (1: the variants take turns pair by pair), "
+        "as many rounds as make --rounds x --pairs pairs; default: rounds of --pairs",
+    )
     ap.add_argument("--metrics", action="store_true", help="add the pair with metrics recording (opentelemetry-sdk)")
     ap.add_argument("--profile", action="store_true", help="then profile dblock's pair: where its time goes")
     ap.add_argument("--plot", metavar="PATH.png", help="write the table as a bar chart (needs dblock[plots])")
@@ -148,10 +159,13 @@ RETURNING token"""
                 metrics.recorder = metrics.OFF
 
         variants["dblock pair, metrics recording (SDK)"] = dblock_pair_recorded
-    medians = interleaved(variants, args.rounds, args.pairs)
+    # Rounds of --block pairs each (default: --pairs), as many as make rounds x pairs in all.
+    block = args.block or args.pairs
+    rounds = max(1, args.rounds * args.pairs // block)
+    medians = interleaved(variants, rounds, block)
     base = medians["hand-written pair, raw psycopg"]
     least = medians["minimal fenced pair, raw psycopg"]
-    print(f"uncontended, {args.rounds} rounds x {args.pairs} pairs, PostgreSQL {raw.info.server_version}")
+    print(f"uncontended, {rounds} rounds x {block} pairs, PostgreSQL {raw.info.server_version}")
     print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16} {'vs minimal':>11}")
     for name, med in medians.items():
         print(f"{name:45} {med:9.1f} {med / base:15.2f}x {med / least:10.2f}x")
@@ -163,7 +177,7 @@ RETURNING token"""
         _plot.bar_plot(
             args.plot, "Uncontended acquire + release, one thread", "us per pair (median)",
             [SHORT.get(name, name) for name in medians], {"us per pair": list(medians.values())},
-            note=f"PostgreSQL {raw.info.server_version // 10000}; {args.rounds} rounds x {args.pairs} pairs",
+            note=f"PostgreSQL {raw.info.server_version // 10000}; {rounds} rounds x {block} pairs",
         )
     raw.close()
     own.close()
@@ -229,6 +243,37 @@ def profile(locker: Locker, pair: Callable[[], None], pairs: int, medians: dict[
     finally:
         del backend.execute  # the class's own again
     print(f"dblock's own code, the replies canned: {cpu:.1f} us of CPU per pair ({cpu / ours:.1%} of dblock's pair above)")
+    aio = canned_async(locker, pairs)
+    print(f"the same on the asyncio face (AsyncLocker, one task): {aio:.1f} us of CPU per pair ({aio / cpu:.2f}x the sync face's)")
+
+
+def canned_async(locker: Locker, pairs: int) -> float:
+    """CPU per pair of an AsyncLocker on ``locker``'s table, its replies canned as ``profile``'s."""
+    import asyncio
+
+    from dblock.aio import AsyncLocker
+
+    async def run() -> float:
+        face = AsyncLocker(locker.engine.url, table=locker.table)
+        try:
+            for _ in range(20):  # the pool's connection, prepared statements, the listener's imports
+                await (await face.try_acquire("canned")).release()  # type: ignore[union-attr]
+            backend, sql = face.backend, face.backend.sql
+            expires = datetime.now(timezone.utc) + timedelta(seconds=30)
+            canned = {sql.acquire: [(True, 1, expires, None)], sql.release: [(1, False)]}
+
+            async def execute(cursor: object, statement: str, params: object) -> object:
+                return canned[statement]
+
+            backend.aexecute = execute  # type: ignore[method-assign]
+            started = time.thread_time()
+            for _ in range(pairs):
+                await (await face.try_acquire("canned")).release()  # type: ignore[union-attr]
+            return (time.thread_time() - started) / pairs * 1e6
+        finally:
+            await face.aclose()
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":
