@@ -304,7 +304,7 @@ class Granted(NamedTuple):
 
 def keyed_owner(key: str) -> str:
     """The owner id of a lease acquired with ``owner=key``: the same in every process and on every
-    machine (32 hex digits, as a random owner id), so a holder that asks again with its key is
+    machine (32 hex digits, as any owner id), so a holder that asks again with its key is
     recognised by the database's own owner check."""
     return hashlib.sha256(b"dblock owner key\x00" + key.encode("utf-8")).hexdigest()[:32]
 

@@ -32,7 +32,7 @@ from sqlalchemy import (
 from .errors import DBLockError
 
 DEFAULT_TABLE = "locks"
-OWNER_LENGTH = 32  # 128 random bits as hex
+OWNER_LENGTH = 32  # 32 hex digits: a random half per process, then a count (_process.new_owner)
 LABEL_LENGTH = 255  # who holds a lease, for people: "host:pid command"
 
 

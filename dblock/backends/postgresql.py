@@ -521,7 +521,7 @@ def _postgresql(
     # send time, from which the client trusts the lease (G5).
     ttl = "clock_timestamp() + %(ttl)s * interval '1 second'"
     # acquire
-    # binds: name, owner (this attempt's random id), ttl (seconds, float),
+    # binds: name, owner (this attempt's owner id, never the same twice), ttl (seconds, float),
     #   label (who asks, for operators; written with the grant, never compared)
     # returns one row (granted, token, expires_at, wait):
     #   granted: token and database expiry of the lease. If owner already holds
