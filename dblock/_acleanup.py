@@ -18,8 +18,8 @@ import logging
 import time
 from typing import Any, Callable
 
+from . import _process as process
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, ajoin, aspawn, astop
-from ._process import current_pid
 from .errors import DBLockError
 
 if True:  # ASYNC
@@ -41,13 +41,13 @@ class AsyncCleanup:
         self._jobs: list[tuple[str, Callable[[], Any], float]] = []  # (what, end, give up at)
         self._wake = AEvent()  # a new job: look now rather than after RETRY
         self._worker: Worker | None = None
-        self._pid = current_pid()
+        self._pid = process.pid
         if True:  # ASYNC
             self._now: set[asyncio.Task[None]] = set()
 
     def add(self, what: str, end: Callable[[], Any], until: float) -> None:
         """Call ``end()`` until it returns (not raises), giving up at ``until`` (monotonic)."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()
         with self._lock:
             self._jobs.append((what, end, until))
@@ -67,7 +67,7 @@ class AsyncCleanup:
     def pending(self) -> int:
         """How many endings are still to be confirmed."""
         with self._lock:
-            return len(self._jobs) if self._pid == current_pid() else 0
+            return len(self._jobs) if self._pid == process.pid else 0
 
     async def _run(self) -> None:
         while True:
@@ -98,7 +98,7 @@ class AsyncCleanup:
 
     async def close(self, timeout: float) -> None:
         """Give the endings still running up to ``timeout`` s to finish, then stop."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         if True:  # ASYNC
             if self._now:

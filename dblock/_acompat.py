@@ -28,8 +28,8 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Awaitable, Callable, Coroutine, Protocol, TypeVar, Union
 
+from . import _process as process
 from ._core import wait_seconds
-from ._process import current_pid
 
 T = TypeVar("T")
 
@@ -192,11 +192,6 @@ def cond_wait(cond: threading.Condition, timeout: float) -> None:
     cond.wait(timeout)
 
 
-def cut_at(conn: Cut, deadline: float) -> Armed:
-    """Cut ``conn``'s statement off at ``deadline`` (the process's watchdog thread)."""
-    return _watchdog.watch(conn, deadline)
-
-
 def finished(work: T) -> T:
     return work
 
@@ -227,14 +222,19 @@ def shutdown_socket(raw: Any) -> None:
 
 
 class _Watch:
-    __slots__ = ("conn", "deadline")
+    """A statement's deadline in the watchdog's set, which ``cancel`` leaves (under the set's lock)."""
 
-    def __init__(self, conn: Cut, deadline: float) -> None:
+    __slots__ = ("conn", "deadline", "_busy", "_lock")
+
+    def __init__(self, conn: Cut, deadline: float, busy: set[_Watch], lock: threading.Lock) -> None:
         self.conn = conn
         self.deadline = deadline
+        self._busy = busy  # the watchdog's, as it was when this was armed (a fork's child makes new ones)
+        self._lock = lock
 
     def cancel(self) -> None:
-        _watchdog.done(self)
+        with self._lock:
+            self._busy.discard(self)
 
 
 class _Watchdog:
@@ -262,12 +262,12 @@ class _Watchdog:
         self._busy: set[_Watch] = set()
         self._wake_at = math.inf  # when the thread looks next
         self._thread: threading.Thread | None = None
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def watch(self, conn: Cut, deadline: float) -> _Watch:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()  # the parent's thread did not survive the fork
-        watch = _Watch(conn, deadline)
+        watch = _Watch(conn, deadline, self._busy, self._lock)
         with self._lock:
             self._busy.add(watch)
             if self._thread is None:
@@ -276,10 +276,6 @@ class _Watchdog:
             elif deadline < self._wake_at:
                 self._cond.notify()
         return watch
-
-    def done(self, watch: _Watch) -> None:
-        with self._lock:
-            self._busy.discard(watch)
 
     def _run(self) -> None:
         idle_since: float | None = None
@@ -305,3 +301,6 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
+# cut_at(conn, deadline): cut ``conn``'s statement off at ``deadline`` (the process's watchdog
+# thread). The watchdog's own method, so that a statement pays no call to a wrapper.
+cut_at: Callable[[Cut, float], Armed] = _watchdog.watch

@@ -39,10 +39,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ._acompat import ACondition, Armed, acond_wait, acut_at, afinished
+from . import _process as process
+from ._acompat import ACondition, AMutex, Armed, acond_wait, acut_at, afinished
 from ._core import IDLE, OPEN, WAIT, Result, pool_turn
 from ._faults import Busy, OutOfTime, first_line, pool_busy
-from ._process import current_pid
 from .backends.base import WRITER_WAIT_MS
 from .errors import DatabaseUnavailable
 
@@ -86,12 +86,19 @@ class AsyncDriver:
         self._reset()
 
     def _reset(self) -> None:
-        self._cond = ACondition()
+        if True:  # ASYNC
+            self._cond = ACondition()
+            self._lock: Any = self._cond  # taken by ``async with``, as the condition's own
+        else:
+            # The condition's lock, taken by ``with`` directly: on the Condition, ``with``
+            # costs two Python calls more, four times per statement.
+            self._lock = AMutex()
+            self._cond = ACondition(self._lock)
         self._idle: list[_AConn] = []
         self._open = 0  # connections checked out or idle (the listener's is not counted)
         self._waiting_out = 0  # connections checked out for waiting acquires' statements
         self._asking = 0  # callers waiting in _checkout for a connection (a return wakes them)
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def _bind(self) -> ACondition:
         """The pool's condition (asyncio: bound to the first loop that uses it)."""
@@ -118,12 +125,12 @@ class AsyncDriver:
         connections at once: one is kept for releases, extends and the rest, so
         a crowd of waiters cannot make a release wait for a connection.
         """
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             # A forked child must not talk over its parent's sockets, and must not
             # wait for a lock some other parent thread held at the fork.
             self._reset()
         cond = self._bind()
-        async with cond:
+        async with self._lock:
             while True:
                 turn = pool_turn(waiting, fresh, self._waiting_out, len(self._idle), self._open, self.size)
                 if turn == IDLE:
@@ -154,8 +161,8 @@ class AsyncDriver:
 
     async def _checkin(self, conn: _AConn) -> None:
         cond = self._cond  # bound at checkout, on this loop
-        async with cond:
-            if self._pid == current_pid() and not conn.cut and not self._closed:
+        async with self._lock:
+            if self._pid == process.pid and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
@@ -171,15 +178,15 @@ class AsyncDriver:
 
     async def _forget(self, count: int, waiting: bool = False) -> None:
         cond = self._cond  # bound at checkout, on this loop
-        async with cond:
-            if self._pid == current_pid():
+        async with self._lock:
+            if self._pid == process.pid:
                 self._open -= count
                 self._waiting_out -= waiting
                 cond.notify_all()
 
     async def _drain(self) -> None:
         cond = self._cond  # bound at checkout, on this loop
-        async with cond:
+        async with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
             await _close(conn.raw)
@@ -187,13 +194,13 @@ class AsyncDriver:
 
     def open_connections(self) -> int:
         """How many pooled connections are open now (idle or running a statement)."""
-        return self._open if self._pid == current_pid() else 0
+        return self._open if self._pid == process.pid else 0
 
     async def close(self) -> None:
         """Close the idle connections (a forked child leaves its parent's alone). A call made
         after this (a lease's release: a closed Locker still ends what it granted) closes its
         connection when it ends, instead of leaving it idle in a pool nobody closes."""
-        if self._pid == current_pid():
+        if self._pid == process.pid:
             self._closed = True
             await self._drain()
 

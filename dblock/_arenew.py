@@ -49,9 +49,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import _core as core
+from . import _process as process
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, aspawn, astop, running
 from ._alease import AsyncOnLost  # on_lost's type, importable from dblock.renew as before
-from ._process import current_pid
 
 if True:  # ASYNC
     import asyncio
@@ -151,7 +151,7 @@ class AsyncRenewer:
         self._scheduler: Worker | None = None
         # The scheduler and workers started since the last reset or close: one of another era ends.
         self._era = object()
-        self._pid = current_pid()
+        self._pid = process.pid
 
     # -- the lease's side ----------------------------------------------------
     def add(
@@ -162,7 +162,7 @@ class AsyncRenewer:
         on_expiring: AsyncOnLost | None = None,
         margin: float | None = None,
     ) -> Renewal:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             # Forked: the parent's threads are not here, and its leases are not ours to renew.
             self._reset()
         entry = _Entry(lease, state, on_lost, on_expiring, margin)
@@ -177,7 +177,7 @@ class AsyncRenewer:
 
     def drop(self, entry: Renewal) -> None:
         """The lease ended (released or lost): take it out of the schedule now."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             self._leave(entry)
@@ -190,7 +190,7 @@ class AsyncRenewer:
 
         The extend is waited for, not cancelled: it carries the other leases of its batch too.
         """
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             self._leave(entry)
@@ -213,13 +213,13 @@ class AsyncRenewer:
     def renewing(self) -> int:
         """How many leases this AsyncLocker renews now."""
         with self._lock:
-            return self._live if self._pid == current_pid() else 0
+            return self._live if self._pid == process.pid else 0
 
     async def aclose(self, timeout: float) -> None:
         """Stop renewing (``AsyncLocker.aclose``): every lease leaves the schedule, and the scheduler
         ends, waited for up to ``timeout`` s; the leases stay granted until released or expired. On
         asyncio the workers sending extends and running on_lost callbacks are cancelled too."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             for heap in self._heaps:

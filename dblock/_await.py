@@ -41,8 +41,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import _process as process
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, asleep, aspawn, astop, running, shutdown_socket
-from ._process import current_pid
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -88,7 +88,7 @@ class AsyncListener:
             pass
         else:
             self._tick = AEvent()  # wakes the listener thread at once: close()
-        self._pid = current_pid()
+        self._pid = process.pid
         self._id = secrets.token_hex(ID_LENGTH // 2)  # after a fork: the parent's channel is the parent's
 
     # -- waiters ---------------------------------------------------------------
@@ -150,7 +150,7 @@ class AsyncListener:
             return
         with self._lock:
             self._starting = False
-            stale = self._stop or self._pid != current_pid()  # closed (or forked) while connecting
+            stale = self._stop or self._pid != process.pid  # closed (or forked) while connecting
             if not stale:
                 self._conn, self._ident = conn, ident
                 self._worker = aspawn(lambda: self._run(conn), name="dblock-listener")
@@ -344,7 +344,7 @@ class AsyncListener:
 
     async def close(self) -> None:
         """End the listener session now: no waiting for its next look-up."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return  # the parent's listener (after a fork): its socket is not ours to shut
         with self._lock:
             self._stop = True
@@ -358,7 +358,7 @@ class AsyncListener:
         await astop(worker, 2 * _POLL + 1)
 
     def _after_fork(self) -> None:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()  # the parent's listener did not survive the fork and its socket is not ours
 
 
@@ -387,10 +387,10 @@ class AsyncHeartbeat:
         self._lock = AMutex()
         self._waiting = 0
         self._worker: Worker | None = None
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def enter(self) -> None:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()  # the parent's worker did not survive the fork
         with self._lock:
             self._waiting += 1
@@ -399,7 +399,7 @@ class AsyncHeartbeat:
 
     def leave(self) -> None:
         with self._lock:
-            if self._pid == current_pid():
+            if self._pid == process.pid:
                 self._waiting -= 1
 
     async def _run(self) -> None:
@@ -438,11 +438,11 @@ class AsyncHotspot:
     def _reset(self) -> None:
         self._lock = AMutex()
         self._lines: dict[str, _Line] = {}
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def join(self, name: str) -> AEvent:
         """Queue up for ``name``; the returned Event is set when this waiter is the head."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()
         me = AEvent()
         with self._lock:

@@ -20,8 +20,8 @@ import logging
 import time
 from typing import Any, Callable
 
+from . import _process as process
 from ._acompat import Event, Mutex, Worker, event_wait, join, spawn, stop
-from ._process import current_pid
 from .errors import DBLockError
 
 log = logging.getLogger("dblock.cleanup")
@@ -40,11 +40,11 @@ class Cleanup:
         self._jobs: list[tuple[str, Callable[[], Any], float]] = []  # (what, end, give up at)
         self._wake = Event()  # a new job: look now rather than after RETRY
         self._worker: Worker | None = None
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def add(self, what: str, end: Callable[[], Any], until: float) -> None:
         """Call ``end()`` until it returns (not raises), giving up at ``until`` (monotonic)."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()
         with self._lock:
             self._jobs.append((what, end, until))
@@ -55,7 +55,7 @@ class Cleanup:
     def pending(self) -> int:
         """How many endings are still to be confirmed."""
         with self._lock:
-            return len(self._jobs) if self._pid == current_pid() else 0
+            return len(self._jobs) if self._pid == process.pid else 0
 
     def _run(self) -> None:
         while True:
@@ -86,7 +86,7 @@ class Cleanup:
 
     def close(self, timeout: float) -> None:
         """Give the endings still running up to ``timeout`` s to finish, then stop."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             worker = self._worker

@@ -9,8 +9,8 @@ from datetime import datetime
 from typing import Any, Callable, NamedTuple
 
 from . import metrics
+from . import _process as process
 from ._core import trusted_until
-from ._process import current_pid
 from .errors import LeaseLost
 
 
@@ -67,11 +67,11 @@ class LeaseState:
         self._event = event
         self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
         self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
-        self.pid = current_pid()  # the process granted it: a forked child may not end or extend it
+        self.pid = process.pid  # the process granted it: a forked child may not end or extend it
 
     def check_process(self, name: str, verb: str) -> None:
         """Refuse ``verb`` in a forked child: the lease is its parent's, which may still be using it."""
-        if self.pid != current_pid():
+        if self.pid != process.pid:
             raise RuntimeError(
                 f"the lease on {name!r} belongs to process {self.pid}, the parent of this forked one: "
                 f"only it may {verb} the lease; acquire a lease of the child's own"

@@ -21,27 +21,22 @@ from .schema import LABEL_LENGTH
 T = TypeVar("T")
 
 # This process's pid and the random half of its owner ids, made again in a fork's child
-# (os.register_at_fork runs before any other code there). The hot paths compare the pid to
+# (os.register_at_fork runs before any other code there). The hot paths compare ``pid`` to
 # tell a forked child (getpid() is a system call, and a pair of calls asked for it nine
 # times), and an acquire draws its owner id from a count instead of 16 bytes of urandom.
-_pid = os.getpid()
+pid = os.getpid()  # read as ``_process.pid``: an attribute, not a call, on the hot paths
 _owner_prefix = secrets.token_hex(8)
 _owner_count = itertools.count()
 
 
 def _forked() -> None:
-    global _pid, _owner_prefix, _owner_count  # noqa: PLW0603 - the process's own state, renewed in the child
-    _pid = os.getpid()
+    global pid, _owner_prefix, _owner_count  # noqa: PLW0603 - the process's own state, renewed in the child
+    pid = os.getpid()
     _owner_prefix = secrets.token_hex(8)
     _owner_count = itertools.count()
 
 
 os.register_at_fork(after_in_child=_forked)
-
-
-def current_pid() -> int:
-    """``os.getpid()``, without a system call: kept up to date across forks."""
-    return _pid
 
 
 def new_owner() -> str:
@@ -79,8 +74,8 @@ class PerProcess(Generic[T]):
 
     def get(self) -> T:
         made = self._made
-        if made is None or made[1] != _pid:
-            made = self._made = (self._make(), _pid)
+        if made is None or made[1] != pid:
+            made = self._made = (self._make(), pid)
         return made[0]
 
 

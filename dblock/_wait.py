@@ -43,8 +43,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import _process as process
 from ._acompat import Event, Mutex, Worker, event_wait, sleep, spawn, stop, running, shutdown_socket
-from ._process import current_pid
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -87,7 +87,7 @@ class Listener:
         self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
         self._reader: Slot | None = None  # threads: the waiter reading the connection now
         self._tick = Event()  # wakes the listener thread at once: close()
-        self._pid = current_pid()
+        self._pid = process.pid
         self._id = secrets.token_hex(ID_LENGTH // 2)  # after a fork: the parent's channel is the parent's
 
     # -- waiters ---------------------------------------------------------------
@@ -146,7 +146,7 @@ class Listener:
             return
         with self._lock:
             self._starting = False
-            stale = self._stop or self._pid != current_pid()  # closed (or forked) while connecting
+            stale = self._stop or self._pid != process.pid  # closed (or forked) while connecting
             if not stale:
                 self._conn, self._ident = conn, ident
                 self._worker = spawn(lambda: self._run(conn), name="dblock-listener")
@@ -308,7 +308,7 @@ class Listener:
 
     def close(self) -> None:
         """End the listener session now: no waiting for its next look-up."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return  # the parent's listener (after a fork): its socket is not ours to shut
         with self._lock:
             self._stop = True
@@ -319,7 +319,7 @@ class Listener:
         stop(worker, 2 * _POLL + 1)
 
     def _after_fork(self) -> None:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()  # the parent's listener did not survive the fork and its socket is not ours
 
 
@@ -348,10 +348,10 @@ class Heartbeat:
         self._lock = Mutex()
         self._waiting = 0
         self._worker: Worker | None = None
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def enter(self) -> None:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()  # the parent's worker did not survive the fork
         with self._lock:
             self._waiting += 1
@@ -360,7 +360,7 @@ class Heartbeat:
 
     def leave(self) -> None:
         with self._lock:
-            if self._pid == current_pid():
+            if self._pid == process.pid:
                 self._waiting -= 1
 
     def _run(self) -> None:
@@ -399,11 +399,11 @@ class Hotspot:
     def _reset(self) -> None:
         self._lock = Mutex()
         self._lines: dict[str, _Line] = {}
-        self._pid = current_pid()
+        self._pid = process.pid
 
     def join(self, name: str) -> Event:
         """Queue up for ``name``; the returned Event is set when this waiter is the head."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             self._reset()
         me = Event()
         with self._lock:

@@ -51,9 +51,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from . import _core as core
+from . import _process as process
 from ._acompat import Event, Mutex, Worker, event_wait, spawn, stop, running
 from ._lease import OnLost  # on_lost's type, importable from dblock.renew as before
-from ._process import current_pid
 
 from ._within import Overdue, call_within  # importable from dblock.renew as before
 from .errors import LeaseLost  # importable from dblock.renew as before
@@ -143,7 +143,7 @@ class Renewer:
         self._scheduler: Worker | None = None
         # The scheduler and workers started since the last reset or close: one of another era ends.
         self._era = object()
-        self._pid = current_pid()
+        self._pid = process.pid
 
     # -- the lease's side ----------------------------------------------------
     def add(
@@ -154,7 +154,7 @@ class Renewer:
         on_expiring: OnLost | None = None,
         margin: float | None = None,
     ) -> Renewal:
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             # Forked: the parent's threads are not here, and its leases are not ours to renew.
             self._reset()
         entry = _Entry(lease, state, on_lost, on_expiring, margin)
@@ -169,7 +169,7 @@ class Renewer:
 
     def drop(self, entry: Renewal) -> None:
         """The lease ended (released or lost): take it out of the schedule now."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             self._leave(entry)
@@ -182,7 +182,7 @@ class Renewer:
 
         The extend is waited for, not cancelled: it carries the other leases of its batch too.
         """
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             self._leave(entry)
@@ -205,13 +205,13 @@ class Renewer:
     def renewing(self) -> int:
         """How many leases this Locker renews now."""
         with self._lock:
-            return self._live if self._pid == current_pid() else 0
+            return self._live if self._pid == process.pid else 0
 
     def close(self, timeout: float) -> None:
         """Stop renewing (``Locker.close``): every lease leaves the schedule, and the scheduler
         ends, waited for up to ``timeout`` s; the leases stay granted until released or expired. On
         asyncio the workers sending extends and running on_lost callbacks are cancelled too."""
-        if self._pid != current_pid():
+        if self._pid != process.pid:
             return
         with self._lock:
             for heap in self._heaps:

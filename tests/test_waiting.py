@@ -538,7 +538,7 @@ def test_a_forked_child_draws_owner_ids_no_one_else_draws(db: Db) -> None:
         try:
             lease = locker.try_acquire("child's", ttl=60)
             drawn = [_process.new_owner() for _ in range(100)]
-            os.write(w, json.dumps([lease.owner if lease else None, drawn, _process.current_pid() == os.getpid()]).encode())
+            os.write(w, json.dumps([lease.owner if lease else None, drawn, _process.pid == os.getpid()]).encode())
         finally:
             os._exit(0)
     os.close(w)
