@@ -194,7 +194,8 @@ def main() -> None:
     sa_url = make_url(url).set(drivername="postgresql+psycopg")
     dsn = sa_url.set(drivername="postgresql").render_as_string(hide_password=False)
     table = "bench_" + secrets.token_hex(4)
-    Locker(sa_url, table=table).create_schema()
+    locker = Locker(sa_url, table=table)
+    locker.create_schema()
     try:
         blocks = max(1, args.pairs // args.block)
         costs = asyncio.run(uncontended(sa_url, dsn, table, args.block, blocks))
@@ -225,6 +226,11 @@ def main() -> None:
     finally:
         if server is not None:
             server.cleanup()
+        else:  # a server that stays: leave nothing of this run on it
+            from dblock import migrate
+
+            migrate.downgrade(locker.engine, table, None)
+            locker.close()
 
 
 if __name__ == "__main__":

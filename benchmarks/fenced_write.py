@@ -91,6 +91,10 @@ def main() -> None:
     conn.close()
     lease.release()
     md.drop_all(engine)
+    locker.close()
+    from dblock import migrate
+
+    migrate.downgrade(engine, f"bench_{suffix}", None)  # the lock's tables too: nothing of this run stays
     engine.dispose()
 
 

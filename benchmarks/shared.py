@@ -154,9 +154,22 @@ def main() -> None:
 
         server = pgserver.get_server(tempfile.mkdtemp(prefix="dblock-bench-"), cleanup_mode="delete")
         args.url = server.get_uri().replace("postgresql://", "postgresql+psycopg://", 1)
-    from dblock import Locker
+    from dblock import Locker, migrate
 
-    Locker(args.url, table=args.table).create_schema()
+    locker = Locker(args.url, table=args.table)
+    locker.create_schema()
+    try:
+        report(args)
+    finally:
+        if server is not None:
+            server.cleanup()
+        else:  # a server that stays: leave nothing of this run on it
+            migrate.downgrade(locker.engine, args.table, None)
+            locker.close()
+
+
+def report(args: argparse.Namespace) -> None:
+    """The runs, and their tables."""
     rw: dict[str, list[dict[str, Any]]] = {"rw": [], "exclusive": []}
     for r in range(args.rounds):
         for kind in (["rw", "exclusive"] if r % 2 == 0 else ["exclusive", "rw"]):
@@ -174,8 +187,6 @@ def main() -> None:
     print(f"  grants {sem['grants']}, timeouts {sem['timeouts']}, statements/grant {per_grant:.2f}, "
           f"most held at once in one process {sem['most']}, {sem['grants'] / sem['wall']:.0f} grants/s")
     print(f"read/write vs exclusive: {rate['rw'] / rate['exclusive']:.2f}x")
-    if server is not None:
-        server.cleanup()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
     ],
 )
 def test_benchmark_runs(pg_url: str, tmp_path: Path, script: str, sizes: list[str]) -> None:
+    """The benchmark runs on a server that stays, prints its ratios, draws its figure, and leaves
+    none of its tables, sequences or functions behind."""
+    before = _benchmark_objects(pg_url)
     figure = tmp_path / "figures" / "x.png"  # a folder that does not exist yet: the plot makes it
     plot = ["--plot", str(figure)] if script in PLOTTED else []
     out = subprocess.run(
@@ -51,6 +54,21 @@ def test_benchmark_runs(pg_url: str, tmp_path: Path, script: str, sizes: list[st
     assert "x" in last or "%" in last  # the last row carries its ratio, or its regrant share
     if plot:
         assert figure.read_bytes().startswith(PNG), out.stderr
+    assert _benchmark_objects(pg_url) - before == set()
+
+
+def _benchmark_objects(url: str) -> set[str]:
+    """The relations and functions named as the benchmarks name theirs (bench_..., floor_...)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT relname FROM pg_class WHERE relname ~ '^(alembic_version_dblock_)?(bench|floor)_' UNION ALL "
+            "SELECT proname FROM pg_proc WHERE proname ~ '^(bench|floor)_'"
+        ).fetchall()
+    return {name for (name,) in rows}
 
 
 def test_plot_without_matplotlib_names_the_extra_before_the_run(tmp_path: Path) -> None:
