@@ -160,14 +160,13 @@ class AsyncDriver:
         return conn
 
     async def _checkin(self, conn: _AConn) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         async with self._lock:
             if self._pid == process.pid and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
-                if self._asking:
-                    cond.notify_all()  # waiters' and others' turns differ: let each look
+                if self._asking:  # the condition was bound at checkout, on this loop
+                    self._cond.notify_all()  # waiters' and others' turns differ: let each look
                 return
         await self._discard(conn)
 
@@ -177,15 +176,13 @@ class AsyncDriver:
         conn.waiting = False
 
     async def _forget(self, count: int, waiting: bool = False) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         async with self._lock:
             if self._pid == process.pid:
                 self._open -= count
                 self._waiting_out -= waiting
-                cond.notify_all()
+                self._cond.notify_all()
 
     async def _drain(self) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         async with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:

@@ -144,14 +144,13 @@ class Driver:
         return conn
 
     def _checkin(self, conn: _Conn) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         with self._lock:
             if self._pid == process.pid and not conn.cut and not self._closed:
                 self._waiting_out -= conn.waiting
                 conn.waiting = False
                 self._idle.append(conn)
-                if self._asking:
-                    cond.notify_all()  # waiters' and others' turns differ: let each look
+                if self._asking:  # the condition was bound at checkout, on this loop
+                    self._cond.notify_all()  # waiters' and others' turns differ: let each look
                 return
         self._discard(conn)
 
@@ -161,15 +160,13 @@ class Driver:
         conn.waiting = False
 
     def _forget(self, count: int, waiting: bool = False) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         with self._lock:
             if self._pid == process.pid:
                 self._open -= count
                 self._waiting_out -= waiting
-                cond.notify_all()
+                self._cond.notify_all()
 
     def _drain(self) -> None:
-        cond = self._cond  # bound at checkout, on this loop
         with self._lock:
             idle, self._idle = self._idle, []
         for conn in idle:
