@@ -254,7 +254,11 @@ class Db:
                     f"DROP TABLE IF EXISTS {t}_audit, {t}, {t}_fences, {t}_holders, {t}_waiters, {t}_procs, "
                     f"alembic_version_dblock_{t} CASCADE"
                 )
-                conn.execute(f"DROP SEQUENCE IF EXISTS {t}_token_seq")
+                sequences = [s for (s,) in conn.execute(  # the token's, and any a test made for the table
+                    "SELECT oid::regclass::text FROM pg_class WHERE relkind = 'S' AND starts_with(relname, %s)", (t + "_",)
+                )]
+                if sequences:
+                    conn.execute(f"DROP SEQUENCE IF EXISTS {', '.join(sequences)} CASCADE")
                 functions = [f for (f,) in conn.execute(
                     "SELECT oid::regprocedure::text FROM pg_proc WHERE starts_with(proname, %s)", (t + "_",)
                 )]
