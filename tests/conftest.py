@@ -247,14 +247,17 @@ class Db:
     def drop(self) -> None:
         for locker in self.lockers:
             locker.close()
-        if self.backend == "postgresql":  # everything dblock (and the audits) made for the table, on one connection
-            t = self.table
+        if self.backend == "postgresql":  # everything named for the table, on one connection: what dblock
+            t = self.table  # made for it, the audits, and tables a test named from it (``{t}_cli``) with theirs
             with self.connect() as conn:
-                conn.execute(
-                    f"DROP TABLE IF EXISTS {t}_audit, {t}, {t}_fences, {t}_holders, {t}_waiters, {t}_procs, "
-                    f"alembic_version_dblock_{t} CASCADE"
-                )
-                sequences = [s for (s,) in conn.execute(  # the token's, and any a test made for the table
+                tables = [r for (r,) in conn.execute(
+                    "SELECT oid::regclass::text FROM pg_class WHERE relkind IN ('r', 'p') AND (relname = %s"
+                    " OR starts_with(relname, %s) OR starts_with(relname, %s))",
+                    (t, t + "_", "alembic_version_dblock_" + t),
+                )]
+                if tables:
+                    conn.execute(f"DROP TABLE IF EXISTS {', '.join(tables)} CASCADE")
+                sequences = [q for (q,) in conn.execute(  # the token's, and any a test made; a column's went with its table
                     "SELECT oid::regclass::text FROM pg_class WHERE relkind = 'S' AND starts_with(relname, %s)", (t + "_",)
                 )]
                 if sequences:
