@@ -1,11 +1,15 @@
 """The floor of a durable hand-over: pg_advisory_lock against the least a fenced, durable hand-over does.
 
     python benchmarks/floor.py [--url postgresql://...] [--handovers 300] [--rounds 3] [--hold 0.002]
-        [--plot PATH.png]
+        [--processes] [--plot PATH.png]
 
 Two threads take turns on one lock: the holder holds ``--hold`` s and lets
 go while the other waits, ``--handovers`` times per round, in ``--rounds``
-interleaved rounds (who goes first rotates). Variants:
+interleaved rounds (who goes first rotates). With ``--processes`` the two
+sides are two processes instead, as a distributed lock's holders mostly are:
+two threads of one process share its interpreter lock, so the waiter woken
+by a hand-over also waits for the Python the releasing thread runs next
+(dblock's next acquire, where the floors' waiters block at once). Variants:
 
 - ``pg_advisory_lock``: the baseline. Unlock wakes the session blocked in
   ``pg_advisory_lock``; nothing is written, nothing is flushed, no token.
@@ -90,36 +94,62 @@ def _dsn(url: str) -> str:
     return _url(url, "postgresql")
 
 
-def _turns(
-    take: Callable[[int], None], give: Callable[[int], None], handovers: int, hold: float, start: Callable[[], None]
-) -> Sample:
-    """Two threads alternate about ``handovers`` times. ``start()`` makes thread 0 the holder;
-    ``take(i)`` blocks until thread i holds; ``give(i)`` lets go (and hands over, where the
-    variant hands over). A thread that gave waits again at once: the other holds ``hold`` s
-    first, so every hand-over wakes a waiter already in line, not a fresh call."""
+Side = tuple[Callable[[], None], Callable[[], None], Callable[[], None]]  # take, give, close
+
+
+class Variant:
+    """A variant: ``setup()`` once (tables, sequences), then ``side(i)`` builds what side i
+    needs, on its own connections, in the thread or process that uses it: (take, give, close).
+    ``first``: side 0 takes the lock before the turns begin (else the set-up made it the holder)."""
+
+    def __init__(self, side: Callable[[int], Side], setup: Callable[[], None] = lambda: None, first: bool = True) -> None:
+        self.side, self.setup, self.first = side, setup, first
+
+
+def _side_turns(variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any) -> Sample:
+    """Side ``i``'s turns: take (timing the hand-over from the other side's give), hold, give."""
     released: list[float] = []
     handed: list[float] = []
-    gave_at = [0.0]
+    take, give, close = variant.side(i)
+    try:
+        turns = (handovers + 1 - i) // 2  # side 0 gives at turns 0, 2, 4...; side 1 at 1, 3, 5...
+        if i == 0 and variant.first:
+            take()
+        ready.wait()
+        for k in range(turns):
+            if i == 1 or k > 0:
+                take()
+                handed.append(time.perf_counter() - gave_at.value)
+            time.sleep(hold)
+            gave_at.value = began = time.perf_counter()
+            give()
+            released.append(time.perf_counter() - began)
+    except BaseException:
+        ready.abort()  # the other side must not wait for this one
+        raise
+    finally:
+        close()
+    return released, handed
+
+
+def _turns(variant: Variant, handovers: int, hold: float, processes: bool = False) -> Sample:
+    """Two sides alternate about ``handovers`` times, as threads of this process or as two
+    processes. A side that gave waits again at once: the other holds ``hold`` s first, so every
+    hand-over wakes a waiter already in line, not a fresh call. (perf_counter is the system's
+    monotonic clock, one for every process of the machine.)"""
+    variant.setup()
+    if processes:
+        return _in_processes(variant, handovers, hold)
+    gave_at = _Box()
     ready = threading.Barrier(2)
+    results: list[Sample | None] = [None, None]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
-            turns = (handovers + 1 - i) // 2  # thread 0 gives at turns 0, 2, 4...; thread 1 at 1, 3, 5...
-            if i == 0:
-                start()
-            ready.wait()
-            for k in range(turns):
-                if i == 1 or k > 0:
-                    take(i)
-                    handed.append(time.perf_counter() - gave_at[0])
-                time.sleep(hold)
-                gave_at[0] = began = time.perf_counter()
-                give(i)
-                released.append(time.perf_counter() - began)
+            results[i] = _side_turns(variant, i, handovers, hold, gave_at, ready)
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
-            ready.abort()  # the other thread must not wait for this one
 
     threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
     for t in threads:
@@ -128,92 +158,146 @@ def _turns(
         t.join()
     if errors:
         raise errors[0]
+    return _merge(results)
+
+
+class _Box:
+    value = 0.0
+
+
+def _merge(results: list[Sample | None]) -> Sample:
+    released = [x for r in results if r for x in r[0]]
+    handed = [x for r in results if r for x in r[1]]
     return released, handed
 
 
-def advisory(url: str, handovers: int, hold: float, token: bool = False) -> Sample:
+def _process_side(variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any, out: Any) -> None:
+    try:
+        out.put((i, _side_turns(variant, i, handovers, hold, gave_at, ready), None))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        out.put((i, None, f"{type(exc).__name__}: {exc}"))
+
+
+def _in_processes(variant: Variant, handovers: int, hold: float) -> Sample:
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")  # the sides build their connections after the fork
+    gave_at = context.Value("d", 0.0, lock=False)
+    ready = context.Barrier(2)
+    out = context.Queue()
+    procs = [
+        context.Process(target=_process_side, args=(variant, i, handovers, hold, gave_at, ready, out)) for i in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    results: list[Sample | None] = [None, None]
+    failures = []
+    for _ in procs:
+        i, sample, failure = out.get(timeout=120)
+        results[i] = sample
+        if failure:
+            failures.append(f"side {i}: {failure}")
+    for p in procs:
+        p.join()
+    if failures:
+        raise RuntimeError("; ".join(failures))
+    return _merge(results)
+
+
+def advisory(url: str, token: bool = False) -> Variant:
     """pg_advisory_lock's own queue and wake-up; ``token``: once woken, the waiter also draws a
     token in one flushed commit before it holds (a durable fenced grant)."""
     import psycopg
 
     draw = f"UPDATE {TABLE}_grants SET token = nextval('{TABLE}_tokens') WHERE name = 'x' RETURNING token"
-    if token:
-        with psycopg.connect(_dsn(url), autocommit=True) as setup:
-            setup.execute(f"CREATE TABLE IF NOT EXISTS {TABLE}_grants (name text PRIMARY KEY, token bigint NOT NULL)")
-            setup.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
-            setup.execute(f"INSERT INTO {TABLE}_grants VALUES ('x', 0) ON CONFLICT (name) DO NOTHING")
-    conns = [psycopg.connect(_dsn(url), autocommit=True) for _ in (0, 1)]
-    for c in conns:
-        c.execute("SET lock_timeout = '10s'")  # a turn that never comes fails the run instead of hanging it
-    try:
 
-        def take(i: int) -> None:
-            conns[i].execute("SELECT pg_advisory_lock(7210)", prepare=True)
+    def setup() -> None:
+        if token:
+            with psycopg.connect(_dsn(url), autocommit=True) as c:
+                c.execute(f"CREATE TABLE IF NOT EXISTS {TABLE}_grants (name text PRIMARY KEY, token bigint NOT NULL)")
+                c.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
+                c.execute(f"INSERT INTO {TABLE}_grants VALUES ('x', 0) ON CONFLICT (name) DO NOTHING")
+
+    def side(i: int) -> Side:
+        conn = psycopg.connect(_dsn(url), autocommit=True)
+        conn.execute("SET lock_timeout = '10s'")  # a turn that never comes fails the run instead of hanging it
+
+        def take() -> None:
+            conn.execute("SELECT pg_advisory_lock(7210)", prepare=True)
             if token:
-                conns[i].execute(draw, prepare=True).fetchone()  # flushed before it returns
+                conn.execute(draw, prepare=True).fetchone()  # flushed before it returns
 
-        def give(i: int) -> None:
-            conns[i].execute("SELECT pg_advisory_unlock(7210)", prepare=True)
+        def give() -> None:
+            conn.execute("SELECT pg_advisory_unlock(7210)", prepare=True)
 
-        return _turns(take, give, handovers, hold, lambda: take(0))
-    finally:
-        for c in conns:
-            c.close()
+        return take, give, conn.close
+
+    return Variant(side, setup)
 
 
-def least(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
+def least(url: str, off: bool = False) -> Variant:
     import psycopg
 
-    with psycopg.connect(_dsn(url), autocommit=True) as setup:
-        setup.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, owner text, token bigint NOT NULL)")
-        setup.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
-        setup.execute(f"INSERT INTO {TABLE} VALUES ('x', '0', 0) ON CONFLICT (name) DO UPDATE SET owner = '0'")
-    conns = [psycopg.connect(_dsn(url), autocommit=True, **({"options": SYNC_OFF} if off else {})) for _ in (0, 1)]
-    listeners = [psycopg.connect(_dsn(url), autocommit=True) for _ in (0, 1)]
-    for i, c in enumerate(listeners):
-        c.execute(f"LISTEN {TABLE}_{i}")
+    def setup() -> None:
+        with psycopg.connect(_dsn(url), autocommit=True) as c:
+            c.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, owner text, token bigint NOT NULL)")
+            c.execute(f"CREATE SEQUENCE IF NOT EXISTS {TABLE}_tokens")
+            c.execute(f"INSERT INTO {TABLE} VALUES ('x', '0', 0) ON CONFLICT (name) DO UPDATE SET owner = '0'")
+
     # Hand the row to the other owner, with a token drawn under the row lock, and wake it.
     handover = (
         f"WITH u AS (UPDATE {TABLE} SET owner = %(to)s, token = nextval('{TABLE}_tokens') "
         "WHERE name = 'x' AND owner = %(me)s RETURNING token) "
         f"SELECT pg_notify('{TABLE}_' || %(to)s, token::text) FROM u"
     )
-    try:
 
-        def take(i: int) -> None:
-            for _ in listeners[i].notifies(timeout=10, stop_after=1):
+    def side(i: int) -> Side:
+        conn = psycopg.connect(_dsn(url), autocommit=True, **({"options": SYNC_OFF} if off else {}))
+        listener = psycopg.connect(_dsn(url), autocommit=True)
+        listener.execute(f"LISTEN {TABLE}_{i}")
+
+        def take() -> None:
+            for _ in listener.notifies(timeout=10, stop_after=1):
                 return
             raise TimeoutError("no hand-over notification in 10 s")
 
-        def give(i: int) -> None:
-            row = conns[i].execute(handover, {"me": str(i), "to": str(1 - i)}, prepare=True).fetchone()
+        def give() -> None:
+            row = conn.execute(handover, {"me": str(i), "to": str(1 - i)}, prepare=True).fetchone()
             if row is None:
                 raise AssertionError("the hand-over statement found the row with another owner")
 
-        return _turns(take, give, handovers, hold, lambda: None)  # owner '0' holds from the set-up
-    finally:
-        for c in conns + listeners:
-            c.close()
+        def close() -> None:
+            conn.close()
+            listener.close()
+
+        return take, give, close
+
+    return Variant(side, setup, first=False)  # owner '0' holds from the set-up
 
 
-def dblock(url: str, handovers: int, hold: float, off: bool = False) -> Sample:
+def dblock(url: str, off: bool = False) -> Variant:
     from dblock import Locker
 
-    lockers = [Locker(_url(url, "postgresql+psycopg", off), table=TABLE + "_dblock", ttl=10) for _ in (0, 1)]
-    lockers[0].create_schema()
-    leases: list[Any] = [None, None]
-    try:
+    locker_url, table = _url(url, "postgresql+psycopg", off), TABLE + "_dblock"
 
-        def take(i: int) -> None:
-            leases[i] = lockers[i].acquire("x", timeout=10)
+    def setup() -> None:
+        locker = Locker(locker_url, table=table)
+        locker.create_schema()
+        locker.close()
 
-        def give(i: int) -> None:
-            leases[i].release()
+    def side(i: int) -> Side:
+        locker = Locker(locker_url, table=table, ttl=10)
+        lease: list[Any] = [None]
 
-        return _turns(take, give, handovers, hold, lambda: take(0))
-    finally:
-        for locker in lockers:
-            locker.close()
+        def take() -> None:
+            lease[0] = locker.acquire("x", timeout=10)
+
+        def give() -> None:
+            lease[0].release()
+
+        return take, give, locker.close
+
+    return Variant(side, setup)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -227,6 +311,10 @@ def main() -> None:
     parser.add_argument("--handovers", type=int, default=300, help="per variant and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hold", type=float, default=0.002)
+    parser.add_argument(
+        "--processes", action="store_true",
+        help="the two sides in two processes (as a distributed lock's holders mostly are), not two threads of one",
+    )
     parser.add_argument("--plot", metavar="PATH.png", help="draw hand-over p50 and p99 per variant (needs dblock[plots])")
     args = parser.parse_args()
     if args.plot:
@@ -244,25 +332,26 @@ def main() -> None:
 
         with psycopg.connect(_dsn(args.url), autocommit=True) as c:
             version = c.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
-        variants: dict[str, Callable[[], Sample]] = {
-            ADVISORY: lambda: advisory(args.url, args.handovers, args.hold),
-            ADVISORY_TOKEN: lambda: advisory(args.url, args.handovers, args.hold, token=True),
-            LEAST: lambda: least(args.url, args.handovers, args.hold),
-            LEAST_OFF: lambda: least(args.url, args.handovers, args.hold, off=True),
-            DBLOCK: lambda: dblock(args.url, args.handovers, args.hold),
-            DBLOCK_OFF: lambda: dblock(args.url, args.handovers, args.hold, off=True),
+        variants: dict[str, Variant] = {
+            ADVISORY: advisory(args.url),
+            ADVISORY_TOKEN: advisory(args.url, token=True),
+            LEAST: least(args.url),
+            LEAST_OFF: least(args.url, off=True),
+            DBLOCK: dblock(args.url),
+            DBLOCK_OFF: dblock(args.url, off=True),
         }
+        sides = "two processes" if args.processes else "two threads"
         samples: dict[str, Sample] = {name: ([], []) for name in variants}
         started = time.monotonic()
         for r in range(args.rounds):
-            for name, run in rotation(variants, r):
-                released, handed = run()
+            for name, variant in rotation(variants, r):
+                released, handed = _turns(variant, args.handovers, args.hold, args.processes)
                 samples[name][0].extend(released)
                 samples[name][1].extend(handed)
                 print(f"[{time.monotonic() - started:5.0f} s] round {r + 1}: {name}", file=sys.stderr)
         base = _p(samples[ADVISORY][1], 50)
         print(
-            f"floor: two threads taking turns, hold {args.hold * 1000:g} ms, {args.handovers} hand-overs x "
+            f"floor: {sides} taking turns, hold {args.hold * 1000:g} ms, {args.handovers} hand-overs x "
             f"{args.rounds} interleaved rounds per variant; PostgreSQL {version}"
             f"{' (throwaway, on disk)' if server else ''}, {os.cpu_count()} CPUs"
         )
@@ -287,7 +376,7 @@ def main() -> None:
 
             names = list(samples)
             _plot.bar_plot(
-                args.plot, "Hand-over between two threads taking turns (ms)", "ms",
+                args.plot, f"Hand-over between {sides} taking turns (ms)", "ms",
                 [SHORT.get(name, name) for name in names],
                 {q: [_p(samples[name][1], n) for name in names] for q, n in (("p50", 50), ("p99", 99))},
                 note=f"PostgreSQL {version.split()[0]}{', throwaway, on disk' if server else ''}; "
