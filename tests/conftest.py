@@ -7,6 +7,7 @@ other's rows.
 from __future__ import annotations
 
 import ast
+import os
 import secrets
 import shutil
 import tempfile
@@ -339,22 +340,35 @@ def warm_waiting(db: Db, locker: Locker) -> None:
 def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bin directory of a fresh virtualenv with dblock installed from its built wheel (not editable).
 
-    Built once per session: the wheel and the install are the slow part.
+    Built once per run: the wheel and the install are the slow part (25-33 s here). Under
+    pytest-xdist the workers share one, in the run's own base directory: the first to ask
+    builds it under a file lock, the others wait and use it (the tests only run it).
     """
+    import fcntl
     import subprocess
     import sys
     import venv
 
     root = Path(__file__).resolve().parent.parent
-    where = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(where / "dist"), str(root)], check=True
-    )
-    (wheel,) = (where / "dist").glob("dblock-*.whl")
-    venv.create(where / "venv", with_pip=True)
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above each worker's own
+    where = base / "dblock-wheel"
     bin_dir = where / "venv" / "bin"
-    # With the binary extra, as the README's first command installs it (no libpq needed on the machine).
-    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", f"{wheel}[binary]"], check=True)
+    with open(base / "dblock-wheel.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (where / "ready").exists():
+            return bin_dir
+        shutil.rmtree(where, ignore_errors=True)  # a build that failed half-way
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(where / "dist"), str(root)],
+            check=True,
+        )
+        (wheel,) = (where / "dist").glob("dblock-*.whl")
+        venv.create(where / "venv", with_pip=True)
+        # With the binary extra, as the README's first command installs it (no libpq needed on the machine).
+        subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", f"{wheel}[binary]"], check=True)
+        (where / "ready").touch()
     return bin_dir
 
 
