@@ -207,12 +207,27 @@ def holding(db: Db, name: str) -> int:
     return db.query(f"SELECT count(*) FROM {db.table}_holders WHERE name = %s AND expires_at > now()", (name,))[0][0]
 
 
-def waiter(db: Db, name: str, kind: str, timeout: float = 60, mode: str = "fair") -> subprocess.Popen[str]:
-    """A waiter in its own process (tests/wait_worker.py) that holds what it gets until told."""
+def waiter(db: Db, name: str, kind: str, timeout: float = 60, mode: str = "fair", *flags: str) -> subprocess.Popen[str]:
+    """A waiter in its own process (tests/wait_worker.py) that holds what it gets until told;
+    with flag "go" it joins the line only when told (``go``)."""
     return subprocess.Popen(
-        [sys.executable, str(HERE / "wait_worker.py"), db.url, db.table, name, str(timeout), mode, kind, "hold"],
+        [sys.executable, str(HERE / "wait_worker.py"), db.url, db.table, name, str(timeout), mode, kind, "hold", *flags],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
+
+
+def ready(p: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """Wait until a waiter started with flag "go" is up and connected."""
+    line = p.stdout.readline() if p.stdout else ""
+    assert line.strip() == "ready", line
+    return p
+
+
+def go(p: subprocess.Popen[str]) -> None:
+    """Tell a ready waiter to join the line."""
+    assert p.stdin is not None
+    p.stdin.write("\n")
+    p.stdin.flush()
 
 
 def granted(p: subprocess.Popen[str]) -> int:
@@ -228,11 +243,13 @@ def done(p: subprocess.Popen[str]) -> None:
 
 
 def queue_up(db: Db, name: str, kinds: list[str], mode: str = "fair") -> list[subprocess.Popen[str]]:
-    """One waiter process per kind, each in line before the next starts: their arrival order."""
+    """One waiter process per kind, each in line before the next starts: their arrival order.
+    Waiters already in line count as ahead of them (and must stay in line meanwhile)."""
+    ahead = in_line(db, name)
     procs = []
     for kind in kinds:
         procs.append(waiter(db, name, kind, mode=mode))
-        wait_for(lambda: in_line(db, name) == len(procs), timeout=30, what=f"waiter {len(procs)} ({kind}) to queue")
+        wait_for(lambda: in_line(db, name) == ahead + len(procs), timeout=30, what=f"waiter {len(procs)} ({kind}) to queue")
     return procs
 
 
@@ -311,12 +328,17 @@ def test_a_writer_that_gives_up_lets_the_readers_behind_it_in(pg: Db) -> None:
     locker = pg.locker()
     first = locker.readers("g").try_acquire(ttl=60)
     assert first is not None
+    # The reader's process is up before the writer's 3 s start: only its joining is in them
+    # (on a busy machine its start-up alone took longer, and it joined after the writer left).
+    r2 = ready(waiter(pg, "g", "read", 60, "fair", "go"))
     out: dict = {}
     writer = threading.Thread(target=lambda: out.setdefault("w", _raises(lambda: locker.acquire("g", timeout=3))))
     writer.start()
     wait_for(lambda: in_line(pg, "g") == 1, what="the writer to queue")
-    (r2,) = queue_up(pg, "g", ["read"])
+    go(r2)
+    wait_for(lambda: in_line(pg, "g") == 2, what="the reader to queue behind the writer")
     assert holding(pg, "g") == 1  # held off by the writer in line
+    assert writer.is_alive(), "the writer gave up before the reader joined: nothing was tested"
     writer.join(30)
     assert isinstance(out["w"], LockNotAcquired)
     assert (holding(pg, "g"), in_line(pg, "g")) == (2, 0)  # the writer's cancel admitted R2
