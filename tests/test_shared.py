@@ -420,8 +420,7 @@ def test_downgrading_0008_keeps_the_writers_in_line(pg: Db) -> None:
     assert pg.query(f"SELECT waiting FROM {t} WHERE name = 'm'") == [(1,)]
     functions = {r[0] for r in pg.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (t + "_%",))}
     assert f"{t}_admit" not in functions and f"{t}_share_enqueue" not in functions
-    handed = pg.query(f"SELECT * FROM {t}_handoff('m', %s, %s)", (held.owner, held.token))  # 0007's, as its release called it
-    assert handed and handed[0][1] is True  # to the writer left in line
+    assert held.release()  # 0007's hand-off: to the writer left in line
     assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'm'") == [("b" * 32, 0)]
     locker.create_schema()
     assert pg.query(f"SELECT count(*) FROM {t}_waiters") == [(0,)]

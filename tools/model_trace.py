@@ -185,22 +185,9 @@ def read(conn: Any, table: str, name: str) -> list[Change]:
     for seq, txid, at, began, tab, op, via, *images in rows:
         names = tuple(f.split(".")[-1].strip('"').removeprefix(table + "_") for f in via.split(",") if f)
         old, new = (None if images[k + 1] is None else Image(*images[k:k + 5]) for k in (0, 5))
-        if not names and tab == "lock" and _handed_on_by_a_release(old, new):
-            names = ("handoff",)  # the release statement's own hand-off: the function's first step
         changes.append(Change(seq, txid, at, began, tab, op, names, old, new))
     list(transactions(changes))  # the commit-order premise: each transaction's changes are consecutive
     return changes
-
-
-def _handed_on_by_a_release(old: Image | None, new: Image | None) -> bool:
-    """A change of the lock row by a statement's own SQL (no dblock function) that passes the
-    name from one writer to another and takes one waiter off its count: only the release
-    statement's hand-off makes it (an acquire's grant leaves ``waiting`` as it was)."""
-    return (
-        old is not None and new is not None and old.owner not in (None, SHARED_OWNER)
-        and new.owner not in (None, SHARED_OWNER, old.owner)
-        and old.waiting is not None and new.waiting == old.waiting - 1
-    )
 
 
 def transactions(changes: Sequence[Change]) -> Iterator[list[Change]]:

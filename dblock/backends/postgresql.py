@@ -568,72 +568,22 @@ LIMIT 1"""
     # zero rows: already released, or taken over by another owner (G3).
     # The row stays (DESIGN.md §3): only the lease is cleared. With nobody
     # waiting (waiting = 0, a column of this row, so PostgreSQL re-reads it
-    # after waiting for the row lock) that is the UPDATE r. Otherwise the
-    # statement hands the lease on (see handoff below): to the first waiter in
-    # line when it is a live writer, by the CTEs lk..n; in every other case by
-    # the hand-off function (migration 0005), which grants each reader or
-    # semaphore waiter first in line up to the next writer that does not fit
-    # (migration 0008), skips waiters that died, and frees the name when
-    # nobody is left.
-    # handoff (CTEs of release and release_held; binds name, owner, token)
-    # The hand-off function's first step, in the caller's statement: a function
-    # call and a statement of its own to take the row lock cost about 30-40 us
-    # per hand-over on the server (BENCHMARKS.md, 2026-11-28). lk takes the row
-    # lock, if this owner's lease is still the one there (re-read after any
-    # wait for the lock). The line is read with the statement's snapshot, from
-    # before that wait, so it may be stale; each way it can be is harmless,
-    # because every change to the line happens under the row lock and a
-    # waiter's row is never updated:
-    # - a waiter that joined meanwhile went to the end of the line; if the line
-    #   looked empty, nothing is granted here and the function (whose
-    #   statements see everything committed before its row lock) hands over;
-    # - a head that left meanwhile (gave up, or was dropped) is gone when d
-    #   deletes it: d deletes nothing, so g grants nothing, and the function
-    #   hands over. A grant only ever follows a delete of the head's row as it
-    #   is now, under the row lock, exactly as in the function;
-    # - a heartbeat renewed meanwhile may look stale: the head looks dead, and
-    #   the function looks again. (A procs row is only ever deleted long after
-    #   it ran out: stale, it looks dead too.)
-    # g draws the token and computes the expiry after the row lock (G2, G5), as
-    # the function does, and NOTIFYs exactly that waiter's listener.
-    handoff = f"""lk AS (
-    SELECT FROM {t} WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
-        AND NOT EXISTS (SELECT FROM r)
-    FOR UPDATE
-), v AS (
-    SELECT x.seq, x.owner, x.ttl, x.label FROM {queue} AS x
-    WHERE EXISTS (SELECT FROM lk) AND x.name = %(name)s
-        AND x.seq = (SELECT min(y.seq) FROM {queue} AS y WHERE y.name = %(name)s)
-        AND NOT x.shared AND (x.until IS NULL OR x.until > now())
-        AND EXISTS (SELECT FROM {procs} AS q WHERE q.id = x.proc AND q.until > now())
-        AND (x.pid IS NULL OR NOT pg_try_advisory_xact_lock_shared({LISTENER_LOCK}, x.pid) OR EXISTS (
-            SELECT FROM pg_stat_get_activity(x.pid) AS a
-            WHERE a.backend_start IS NULL OR a.backend_start = x.start))
-), d AS (
-    DELETE FROM {queue} AS x WHERE x.name = %(name)s AND x.seq = (SELECT v.seq FROM v)
-    RETURNING x.owner, x.ttl, x.label
-), g AS (
-    UPDATE {t} AS k SET owner = d.owner, token = nextval('{seq}'), acquired_at = now(),
-        expires_at = clock_timestamp() + d.ttl * interval '1 second', label = d.label, waiting = k.waiting - 1
-    FROM d WHERE k.name = %(name)s
-    RETURNING k.token, k.owner, k.expires_at
-), n AS (
-    SELECT g.token FROM g, LATERAL pg_notify(
-        '{CHANNEL_PREFIX}' || left(g.owner, 16), g.owner || ' ' || g.token || ' ' || extract(epoch FROM g.expires_at))
-)"""
-    handed_on = f"""{handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
-WHERE NOT EXISTS (SELECT FROM r) AND NOT EXISTS (SELECT FROM n)"""
+    # after waiting for the row lock) that is this one UPDATE. Otherwise the
+    # hand-off function (migration 0005) runs instead, in the same statement:
+    # it grants the first live waiter a fresh token under the row lock (G2)
+    # and NOTIFYs exactly that waiter's listener; when readers or semaphore
+    # waiters are first in line, each of them up to the next writer that fits,
+    # a token each (migration 0008).
     release = f"""
 WITH r AS (
     UPDATE {t} SET owner = NULL, expires_at = NULL
     WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s AND waiting = 0
     RETURNING token
-), {handoff}
+)
 SELECT token, false FROM r
 UNION ALL
-SELECT token, true FROM n
-UNION ALL
-SELECT h.token, h.notified FROM {handed_on}"""
+SELECT h.token, h.notified FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
     # release_held (a release of a lease granted with min_hold > 0)
     # binds: name, owner, token, hold (seconds after the grant the lease is kept)
     # returns one row (token, handed, held_until) when (name, owner, token) still
@@ -658,12 +608,11 @@ WITH r AS (
     WHERE l.name = %(name)s AND l.owner = %(owner)s AND l.token = %(token)s
       AND (l.waiting = 0 OR {hold} > now())
     RETURNING l.token, l.expires_at
-), {handoff}
+)
 SELECT token, false, expires_at FROM r
 UNION ALL
-SELECT token, true, NULL FROM n
-UNION ALL
-SELECT h.token, h.notified, NULL FROM {handed_on}"""
+SELECT h.token, h.notified, NULL FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
     # released (only after a release whose reply was lost)
     # binds: name, owner, token
     # returns one row when the lease with this token ended and nobody took the
