@@ -167,6 +167,22 @@ def test_a_waiter_that_stopped_refreshing_is_skipped(pg: Db) -> None:
 
 
 # -- the queue statements' races ---------------------------------------------------------
+def _row_locked_by(conn: Any, db: Db, name: str) -> None:
+    """In ``conn``, a transaction that holds ``name``'s row lock (as a join or a leave does)."""
+    conn.execute("BEGIN")
+    conn.execute(f"SELECT FROM {db.table} WHERE name = %s FOR UPDATE", (name,))
+
+
+def _waits_for_the_row_lock(db: Db) -> None:
+    wait_for(
+        lambda: db.query(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+            (f"%UPDATE {db.table} SET owner = NULL%",),  # a release (pg_stat_activity shows its text), not any lock wait
+        ) != [(0,)],
+        what="the release to wait for the row lock",
+    )
+
+
 def test_joining_the_queue_waits_for_a_concurrent_change_and_keeps_it(pg: Db) -> None:
     """EvalPlanQual: an enqueue blocked by another transaction's change to the row re-reads it, losing nothing."""
     holder, waiter = pg.locker(), pg.locker(**SLOW)
@@ -202,8 +218,7 @@ def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_
     conn.execute("BEGIN")
     join_queue_in(conn, pg, "g5h", "waiter", 2)
     t, out = in_thread(lease.release)
-    wait_for(lambda: pg.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") != [(0,)],
-             what="the release to wait for the row lock")
+    _waits_for_the_row_lock(pg)
     time.sleep(0.5)  # the gap between the release's start and the waiter's send
     [(sent,)] = conn.execute("SELECT clock_timestamp()").fetchall()  # the waiter "sends" its attempt
     conn.execute("COMMIT")
@@ -212,22 +227,6 @@ def test_a_hand_off_expires_a_ttl_after_the_waiter_joined_not_after_the_release_
     [(owner, expires_at)] = pg.query(f"SELECT owner, expires_at FROM {pg.table} WHERE name = 'g5h'")
     assert owner == "waiter"
     assert (expires_at - sent).total_seconds() >= 2, "the handed lease expires before the waiter stops trusting it"
-
-
-def _row_locked_by(conn: Any, db: Db, name: str) -> None:
-    """In ``conn``, a transaction that holds ``name``'s row lock (as a join or a leave does)."""
-    conn.execute("BEGIN")
-    conn.execute(f"SELECT FROM {db.table} WHERE name = %s FOR UPDATE", (name,))
-
-
-def _waits_for_the_row_lock(db: Db) -> None:
-    wait_for(
-        lambda: db.query(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
-            (f"%UPDATE {db.table} SET owner = NULL%",),  # the release's first line (the text shown is cut short)
-        ) != [(0,)],
-        what="the release to wait for the row lock",
-    )
 
 
 def test_a_release_that_waited_for_the_row_lock_skips_a_head_that_left_meanwhile(pg: Db) -> None:
