@@ -117,10 +117,10 @@ class Line:
             self.line.remove((binds["seq"], binds["owner"]))
             self._add(1)
         elif op == "hand-off":
-            ((token, handed),) = rows
+            ((_, handed),) = rows  # the token of the lease it ended, and whether it handed one on
             assert handed, "the release handed the lease to nobody"
             _, self.owner = self.line.popleft()
-            self.token = token
+            ((self.token,),) = self.conn.execute(f"SELECT token FROM {self.table} WHERE name = %s", (self.name,)).fetchall()
             self._add(1)
 
 

@@ -97,6 +97,13 @@ def queue_function_names(table: str) -> tuple[str, str, str]:
     return f"{table}_enqueue", f"{table}_handoff", f"{table}_cancel"
 
 
+def lean_function_names(table: str) -> tuple[str, str]:
+    """PostgreSQL's functions behind the acquire and release statements (migration 0012): (missed,
+    hand_on). ``missed``: an acquire's miss report or a name's first grant; ``hand_on``: a writer's
+    release with waiters hands the name on."""
+    return f"{table}_missed", f"{table}_hand_on"
+
+
 def waiters_table(table: str = DEFAULT_TABLE, schema: str | None = None, metadata: MetaData | None = None) -> Table:
     """PostgreSQL only: the fair queue, one row per waiting acquire, in arrival order (``seq``).
 

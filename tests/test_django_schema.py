@@ -148,13 +148,14 @@ def test_django_migrate_makes_the_schema_alembic_makes(
     made = by_alembic.snapshot()
     assert made == by_django.snapshot()
     # ...and that schema is dblock's whole schema, not two empty ones.
-    assert made["versions"] == [("dblock_0011",)]
+    assert made["versions"] == [("dblock_0012",)]
     names = {row[1] for row in made["objects"]} if backend == "sqlite" else {row[0] for row in made["relations"]}
     expected = {"locks", "fences", "alembic_version_dblock", "locks_holders"}
     if backend == "postgresql":
         expected |= {"locks_token_seq", "locks_waiters", "locks_procs"}
         assert [row[0] for row in made["functions"]] == [
-            "locks_admit", "locks_cancel", "locks_downgrade", "locks_enqueue", "locks_handoff", "locks_share_acquire",
+            "locks_admit", "locks_cancel", "locks_downgrade", "locks_enqueue", "locks_hand_on", "locks_handoff",
+            "locks_missed", "locks_share_acquire",
             "locks_share_acquire", "locks_share_enqueue", "locks_share_enqueue", "locks_share_extend",
             "locks_share_release", "locks_upgrade",
         ]  # share_acquire and share_enqueue twice: 0010's signatures, and the earlier ones beside them

@@ -317,8 +317,11 @@ def test_a_handed_lease_that_cannot_be_confirmed_is_not_leaked(pg: Db) -> None:
     pg.query(f"CREATE SEQUENCE {t}_once")
     pg.query(f"""CREATE FUNCTION {t}_stall() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
-            IF NEW.owner = OLD.owner AND NEW.expires_at > OLD.expires_at AND nextval('{t}_once') = 1 THEN
-                PERFORM pg_sleep(0.8);
+            -- Nested: a NULL (a release clears owner and expiry) would not stop an AND before nextval.
+            IF NEW.owner = OLD.owner AND NEW.expires_at > OLD.expires_at THEN
+                IF nextval('{t}_once') = 1 THEN
+                    PERFORM pg_sleep(0.8);
+                END IF;
             END IF;
             RETURN NEW;
         END $$""")

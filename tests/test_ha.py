@@ -80,7 +80,9 @@ def install_audit(db: Db) -> None:
 
     Columns op, old_token and new_token are those of test_guarantees' audit, so
     its checks read this one too. ``handoff``: the change was made by a
-    release handing the lease to a waiter (the hand-off function).
+    release handing the lease to a waiter (the hand-off function; since 0012,
+    hand_on, which the release's RETURNING calls after its own change, recorded
+    after hand_on's: an AFTER trigger fires as its statement ends).
     """
     t = db.table
     db.query(
@@ -99,7 +101,8 @@ def install_audit(db: Db) -> None:
             INSERT INTO {t}_audit (op, name, old_owner, new_owner, old_token, new_token, old_expires, expires_at,
                                    txnow, at, port, handoff)
             VALUES ('U', NEW.name, OLD.owner, NEW.owner, OLD.token, NEW.token, OLD.expires_at, NEW.expires_at,
-                    now(), clock_timestamp(), inet_server_port(), strpos(current_query(), '_handoff(') > 0);
+                    now(), clock_timestamp(), inet_server_port(),
+                    strpos(current_query(), '_handoff(') > 0 OR strpos(current_query(), '_hand_on(') > 0);
           END IF;
           RETURN NULL;
         END $$"""

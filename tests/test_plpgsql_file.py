@@ -17,6 +17,7 @@ import pytest
 
 from dblock.schema import (
     DEFAULT_TABLE,
+    lean_function_names,
     queue_function_names,
     shared_function_names,
     shared_queue_function_names,
@@ -46,7 +47,8 @@ def test_plpgsql_file_is_what_a_migrated_database_runs(pg_url: str) -> None:
     assert dumped == sorted(dumped)
     t = DEFAULT_TABLE
     assert set(dumped) == {
-        *queue_function_names(t), *shared_function_names(t), *shared_queue_function_names(t), *upgrade_function_names(t)
+        *queue_function_names(t), *shared_function_names(t), *shared_queue_function_names(t), *upgrade_function_names(t),
+        *lean_function_names(t),
     }
 
 

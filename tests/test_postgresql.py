@@ -226,22 +226,26 @@ def test_g2_prune_cannot_slip_under_a_first_insert(pg: Db, variant: str) -> None
 
     stalled: list = []
     b = threading.Thread(target=lambda: stalled.append(locker.try_acquire("fresh", ttl=60)))
-    b.start()
-    wait_for(lambda: waiting("Lock", "%WITH cur%"), what="the first insert to stall after drawing its token")
-    # A competing first grant of the same name, already expired, then a prune.
-    pg.query(
-        f"INSERT INTO {t} (name, owner, token, acquired_at, expires_at)"
-        f" VALUES ('fresh', 'A', nextval('{seq}'), now() - interval '1 hour', now() - interval '1 hour')"
-    )
     pruned: list = []
     p = threading.Thread(target=lambda: pruned.append(locker.prune(older_than=60)))
-    p.start()
-    wait_for(lambda: bool(pruned) or waiting("Lock", "%LOCK TABLE%"), what="the prune to finish or wait")
-    gate.execute("SELECT pg_advisory_unlock(7002)")
-    b.join(30)
-    p.join(30)
-    gate.close()
-    watcher.close()
+    b.start()
+    try:
+        # The acquire's statement (its first insert runs in the missed function it calls).
+        wait_for(lambda: waiting("Lock", "%WITH upd%"), what="the first insert to stall after drawing its token")
+        # A competing first grant of the same name, already expired, then a prune.
+        pg.query(
+            f"INSERT INTO {t} (name, owner, token, acquired_at, expires_at)"
+            f" VALUES ('fresh', 'A', nextval('{seq}'), now() - interval '1 hour', now() - interval '1 hour')"
+        )
+        p.start()
+        wait_for(lambda: bool(pruned) or waiting("Lock", "%LOCK TABLE%"), what="the prune to finish or wait")
+    finally:
+        gate.execute("SELECT pg_advisory_unlock(7002)")  # a stalled statement must not outlive a failed test
+        b.join(30)
+        if p.ident is not None:  # started
+            p.join(30)
+        gate.close()
+        watcher.close()
     grants = audited_grants(pg)
     if variant == "dblock":
         assert inversions(grants) == []

@@ -23,7 +23,7 @@ from .conftest import ALL_BACKENDS, Db, wait_for
 
 BACKENDS = ALL_BACKENDS
 from .test_shared_races import break_admit
-from .test_waiting import count_statements, in_thread, joined
+from .test_waiting import count_statements, in_thread, joined, release_before_0012
 
 HERE = Path(__file__).resolve().parent
 SHARED = "'*shared'"
@@ -420,7 +420,10 @@ def test_downgrading_0008_keeps_the_writers_in_line(pg: Db) -> None:
     assert pg.query(f"SELECT waiting FROM {t} WHERE name = 'm'") == [(1,)]
     functions = {r[0] for r in pg.query("SELECT proname FROM pg_proc WHERE proname LIKE %s", (t + "_%",))}
     assert f"{t}_admit" not in functions and f"{t}_share_enqueue" not in functions
-    assert held.release()  # 0007's hand-off: to the writer left in line
+    # 0007's hand-off, to the writer left in line, by the release of a dblock from before 0012
+    # (this dblock's release calls 0012's function).
+    key = {"name": "m", "owner": held.owner, "token": held.token}
+    assert [handed for _, handed in pg.query(release_before_0012(t), key)] == [True]
     assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'm'") == [("b" * 32, 0)]
     locker.create_schema()
     assert pg.query(f"SELECT count(*) FROM {t}_waiters") == [(0,)]

@@ -33,7 +33,7 @@ def install_audit(db: Db) -> None:
     if db.backend == "postgresql":
         db.query(
             f"CREATE TABLE {t}_audit (seq bigserial PRIMARY KEY, kind text, token bigint, at float8, expires float8,"
-            " lim int)"
+            " lim int, tx bigint DEFAULT txid_current())"
         )
         ep = "extract(epoch FROM {})::float8"
         now = ep.format("clock_timestamp()")
@@ -129,11 +129,23 @@ Life = tuple[float, float, str, "int | None", int]  # start, end, kind ("w" or "
 
 
 def audited(db: Db) -> tuple[list[Life], list[int]]:
-    """Every lease's [grant, end) by the database's clock, and the grants' tokens in grant order."""
-    rows = db.query(f"SELECT kind, token, at, expires, lim FROM {db.table}_audit ORDER BY seq")
+    """Every lease's [grant, end) by the database's clock, and the grants' tokens in grant order.
+
+    On PostgreSQL an end is placed at its transaction's first recorded moment: an AFTER
+    trigger fires when its statement ends, and a release (0012) clears the lease with its
+    own UPDATE before its RETURNING hands the name on, whose changes are recorded first.
+    (The UPDATE ended the lease before that moment, so the end placed there is no earlier
+    than the real one: no overlap is hidden. A transaction changes the name under its row
+    lock, so no other transaction's change falls between.)"""
+    tx = ", tx" if db.backend == "postgresql" else ", NULL"
+    rows = db.query(f"SELECT kind, token, at, expires, lim{tx} FROM {db.table}_audit ORDER BY seq")
+    first: dict[int, float] = {}
+    for _, _, at, _, _, txid in rows:
+        if txid is not None:
+            first[txid] = min(first.get(txid, at), at)
     lives: dict[int, list] = {}
     order: list[int] = []
-    for kind, token, at, expires, lim in rows:
+    for kind, token, at, expires, lim, txid in rows:
         if kind in ("gw", "gs"):
             assert token not in lives, f"token {token} granted twice"
             lives[token] = [at, expires, math.inf, kind[1], lim]
@@ -141,7 +153,7 @@ def audited(db: Db) -> tuple[list[Life], list[int]]:
         elif kind in ("xw", "xs"):
             lives[token][1] = max(lives[token][1], expires)
         else:  # a release (or, for a holder, forgetting it after it ran out)
-            lives[token][2] = min(lives[token][2], at)
+            lives[token][2] = min(lives[token][2], first.get(txid, at))
     return [(s, min(e, d), k, lim, tok) for tok, (s, e, d, k, lim) in lives.items()], order
 
 

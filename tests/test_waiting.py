@@ -49,6 +49,21 @@ def join_queue_in(conn: Any, db: Db, name: str, owner: str, ttl: float) -> None:
     conn.execute(f"UPDATE {db.table} SET waiting = waiting + 1 WHERE name = %s", (name,))
 
 
+def release_before_0012(table: str) -> str:
+    """The release statement of a dblock from before migration 0012: a CTE whose UPDATE matched only
+    with nobody waiting, else the hand-off function (0005; 0011's body), joined by UNION ALL."""
+    return f"""
+WITH r AS (
+    UPDATE {table} SET owner = NULL, expires_at = NULL
+    WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s AND waiting = 0
+    RETURNING token
+)
+SELECT token, false FROM r
+UNION ALL
+SELECT h.token, h.notified FROM {table}_handoff(%(name)s, %(owner)s, %(token)s::bigint) AS h
+WHERE NOT EXISTS (SELECT FROM r)"""
+
+
 def waiter_process(db: Db, name: str, timeout: float = 60, mode: str = "fair") -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(HERE / "wait_worker.py"), db.url, db.table, name, str(timeout), mode],
@@ -437,6 +452,41 @@ def test_a_release_with_only_dead_waiters_frees_the_lock(pg: Db) -> None:
     assert holder.try_acquire("ghosts") is not None
 
 
+def test_0012_keeps_the_release_of_an_earlier_dblock_working_and_asks_this_one_to_upgrade(pg: Db) -> None:
+    """A dblock from before 0012, still running beside this one, releases with its own statement:
+    with nobody waiting it frees the name, with a waiter in line it hands it on (the hand-off
+    function stays). This dblock against tables from before 0012 raises SchemaMissing, naming
+    the upgrade, instead of releasing without handing on."""
+    from dblock import SchemaMissing, migrate
+
+    holder = pg.locker()
+    t = pg.table
+    lease = holder.try_acquire("old", ttl=60)
+    assert lease is not None
+    key = {"name": "old", "owner": lease.owner, "token": lease.token}
+    assert pg.query(release_before_0012(t), key) == [(lease.token, False)]
+    assert pg.query(f"SELECT owner, waiting FROM {t} WHERE name = 'old'") == [(None, 0)]
+    lease = holder.try_acquire("old", ttl=60)
+    assert lease is not None
+    conn = pg.connect()
+    conn.execute("BEGIN")
+    join_queue_in(conn, pg, "old", "next", 60)
+    conn.execute("COMMIT")
+    conn.close()
+    ((token, handed),) = pg.query(release_before_0012(t), {"name": "old", "owner": lease.owner, "token": lease.token})
+    assert handed is True
+    assert pg.query(f"SELECT owner, token, waiting FROM {t} WHERE name = 'old'") == [("next", token, 0)]
+    assert token > lease.token and queue(pg, "old") == []
+    migrate.downgrade(holder.engine, t, None, "dblock_0011")
+    fresh = pg.locker()
+    with pytest.raises(SchemaMissing, match="older dblock"):
+        fresh.try_acquire("new", ttl=30)
+    fresh.close()
+    assert holder.create_schema().after == "dblock_0012"
+    assert holder.try_acquire("new", ttl=30) is not None
+    holder.close()
+
+
 def test_a_waiters_listener_is_alive_while_it_holds_its_advisory_lock(pg: Db) -> None:
     """A waiter that names a listener session is live while that session holds the advisory lock
     (LISTENER_LOCK, its pid), whatever the server's list of sessions says (0011: one lookup). A
@@ -560,11 +610,13 @@ def test_a_hand_over_reads_the_head_of_the_line_not_all_of_it(pg: Db) -> None:
     conn.execute(f"ANALYZE {t}_waiters")
     line(3_000)
 
+    release = locker.backend.sql.release
+
     def hand_over() -> int:
         """Buffers one release touches; it hands the lease to the head of the line."""
         ((owner, token),) = conn.execute(f"SELECT owner, token FROM {t} WHERE name = 'long'").fetchall()
         params = {"name": "long", "owner": owner, "token": token}
-        ((plans,),) = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + locker.backend.sql.release, params).fetchall()
+        ((plans,),) = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + release, params).fetchall()
         plan = plans[0]["Plan"]
         assert conn.execute(f"SELECT owner <> %s FROM {t} WHERE name = 'long'", (owner,)).fetchone() == (True,)
         return int(plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0))
@@ -576,6 +628,7 @@ def test_a_hand_over_reads_the_head_of_the_line_not_all_of_it(pg: Db) -> None:
     assert touched < 40 < pages, f"a hand-over touched {touched} buffers; the waiters table has {pages} pages"
 
     migrate.downgrade(locker.engine, t, None, "dblock_0008")
+    release = release_before_0012(t)  # this dblock's release calls 0012's function
     conn.close()
     conn = pg.connect()  # a session whose plans are 0008's
     # (PL/pgSQL's first five plans are custom ones, made for 'long' with the stale

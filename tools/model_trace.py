@@ -186,8 +186,26 @@ def read(conn: Any, table: str, name: str) -> list[Change]:
         names = tuple(f.split(".")[-1].strip('"').removeprefix(table + "_") for f in via.split(",") if f)
         old, new = (None if images[k + 1] is None else Image(*images[k:k + 5]) for k in (0, 5))
         changes.append(Change(seq, txid, at, began, tab, op, names, old, new))
-    list(transactions(changes))  # the commit-order premise: each transaction's changes are consecutive
-    return changes
+    # The commit-order premise: each transaction's changes are consecutive. Then each, in the
+    # order it made its changes.
+    return [change for tx in transactions(changes) for change in written_order(tx)]
+
+
+def written_order(tx: list[Change]) -> list[Change]:
+    """A transaction's changes in the order it made them.
+
+    The recorder is an AFTER trigger, which PostgreSQL fires when the statement that made
+    the change ends, or, for a change a function made, when that function's statement
+    ends. A release (0012) clears the lease with its own UPDATE, then its RETURNING calls
+    hand_on, whose changes are recorded first: the statement's own changes (empty ``via``)
+    come first, at the transaction's first recorded moment (the clock was read later).
+    Every other dblock statement makes changes of one kind only, and keeps its order.
+    """
+    own = [c for c in tx if not c.via]
+    if not own or len(own) == len(tx) or tx[0] in own:
+        return tx
+    first = min(c.at for c in tx)
+    return [dataclasses.replace(c, at=first) for c in own] + [c for c in tx if c.via]
 
 
 def transactions(changes: Sequence[Change]) -> Iterator[list[Change]]:
@@ -415,6 +433,18 @@ class _Steps:
         self.step("GRANT", change, owner=new.owner, token=new.token, expires=new.expires)
 
 
+def _handed_on(via: str) -> bool:
+    """Whether a change ran in a writer's release's hand-off: the hand-off function a release
+    called before 0012 (handoff), or the one its RETURNING calls since (hand_on)."""
+    return any(f in ("handoff", "hand_on") for f in via.split(","))
+
+
+def _hands_on(events: Sequence[Event], release: Event) -> bool:
+    """Whether the transaction of ``release`` (a release's own UPDATE, since 0012) went on to
+    hand the name on: another step of it ran in hand_on."""
+    return any(e.txid == release.txid and "hand_on" in e.via.split(",") for e in events)
+
+
 def summary(events: Sequence[Event]) -> Counter[str]:
     """How many steps of each sort a trace has: grants split by what they took (a free row, a
     writer's lease that ran out, the name after shared leases, a lease its release handed
@@ -426,20 +456,20 @@ def summary(events: Sequence[Event]) -> Counter[str]:
             owner = e.owner
             continue
         if e.kind == "GRANT":
-            if "handoff" in e.via:
+            if _handed_on(e.via):
                 taken = "handed over by a release"
             else:
                 taken = "free" if owner is None else "after shared leases" if owner == SHARED_OWNER else "expired"
             seen[f"grant ({taken})"] += 1
-            if "admit" in e.via or "handoff" in e.via:  # the walk, or a release's quick hand-off (0011)
+            if "admit" in e.via or _handed_on(e.via):  # the walk, or a release's quick hand-off (0011, 0012)
                 seen["grant by the fair queue"] += 1
         elif e.kind == "SHARE_GRANT":
             seen[f"shared grant (limit {e.limit})" if e.limit is not None else "shared grant (reader)"] += 1
-            if "handoff" in e.via:
+            if _handed_on(e.via):
                 seen["shared grant (handed over by a writer's release)"] += 1
             elif owner not in (None, SHARED_OWNER):
                 seen["shared grant (after a writer's lease ran out)"] += 1
-        elif e.kind == "RELEASE" and "handoff" in e.via:
+        elif e.kind == "RELEASE" and (_handed_on(e.via) or _hands_on(events, e)):
             seen["release handing over"] += 1
         else:
             seen[e.kind.lower().replace("_", " ")] += 1
@@ -655,7 +685,7 @@ def attribution(events: Sequence[Event], calls: Sequence[Call]) -> list[str]:
     Each grant a client received is a grant in the trace; a lease its client saw granted is
     released in the trace exactly when its release returned True, and extended by a statement
     of its own (extend, share_extend) as often as its extends returned, and once more at most
-    when the fair queue granted it (the walk, admit, or a release's quick hand-off, handoff): a waiter handed a lease with little of its ttl left
+    when the fair queue granted it (the walk, admit, or a release's quick hand-off, handoff or hand_on): a waiter handed a lease with little of its ttl left
     extends it before its acquire returns. So every release and extend of such a lease is
     one its own client made: the row's owner, whom the checker names, is the caller. (Grants
     nobody received are dblock's own: a hand-off to a waiter that gave up, which dblock
@@ -673,8 +703,8 @@ def attribution(events: Sequence[Event], calls: Sequence[Call]) -> list[str]:
             problems.append(f"{who} was granted its lease: the trace has no such grant")
         if releases[key] != int(call.released):
             problems.append(f"{who} saw {int(call.released)} release(s) of its own; the trace has {releases[key]}")
-        # Granted by the fair queue: the walk (admit), or a release's quick hand-off (0011).
-        handed = int(any(f in grants.get(key, "").split(",") for f in ("admit", "handoff")))
+        # Granted by the fair queue: the walk (admit), or a release's quick hand-off (0011, 0012).
+        handed = int(any(f in grants.get(key, "").split(",") for f in ("admit", "handoff", "hand_on")))
         if not call.extends <= extends[key] <= call.extends + handed:
             problems.append(f"{who} saw {call.extends} extend(s) of its own; the trace has {extends[key]}")
     return problems

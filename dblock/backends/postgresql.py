@@ -34,6 +34,7 @@ from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaM
 from ..schema import (
     LISTENER_LOCK,
     holders_table_name,
+    lean_function_names,
     procs_table_name,
     queue_function_names,
     shared_function_names,
@@ -82,7 +83,7 @@ class PostgreSQL(Backend):
     def statements(cls, dialect: Dialect, table: str, schema: str | None) -> Statements:
         names = _Names(dialect, table, schema)
         exclusive = _postgresql(
-            names.table, names.seq, names.procs, names.enqueue, names.handoff, names.cancel, names.queue
+            names.table, names.seq, names.procs, names.enqueue, names.cancel, names.queue, *names.lean
         )
         shared = _postgresql_shared(names.table, names.holders, *names.shared, *names.upgrade)
         return Statements(
@@ -98,7 +99,7 @@ class PostgreSQL(Backend):
     def queue_statements(cls, dialect: Dialect, table: str, schema: str | None) -> QueueStatements:
         names = _Names(dialect, table, schema)
         exclusive = _postgresql(
-            names.table, names.seq, names.procs, names.enqueue, names.handoff, names.cancel, names.queue
+            names.table, names.seq, names.procs, names.enqueue, names.cancel, names.queue, *names.lean
         )
         return QueueStatements(
             enqueue=exclusive["enqueue"], share_enqueue=_share_enqueue(names.share_enqueue),
@@ -316,7 +317,8 @@ class _Names:
         quote = dialect.identifier_preparer.quote
         prefix = quote(schema) + "." if schema else ""
         self.table = prefix + quote(table)
-        self.enqueue, self.handoff, self.cancel = (prefix + quote(n) for n in queue_function_names(table))
+        self.enqueue, _, self.cancel = (prefix + quote(n) for n in queue_function_names(table))
+        self.lean = [prefix + quote(n) for n in lean_function_names(table)]  # (missed, hand_on)
         self.seq = prefix + quote(token_sequence_name(table))
         self.procs = prefix + quote(procs_table_name(table))
         self.queue = prefix + quote(waiters_table_name(table))
@@ -515,7 +517,7 @@ def unavailable(message: str, exc: BaseException) -> DBLockError:
 
 # -- the statements ---------------------------------------------------------------------
 def _postgresql(
-    t: str, seq: str, procs: str, enqueue_fn: str, handoff_fn: str, cancel_fn: str, queue: str
+    t: str, seq: str, procs: str, enqueue_fn: str, cancel_fn: str, queue: str, missed_fn: str, hand_on_fn: str
 ) -> dict[str, str]:
     # A new expiry: from the moment it is computed, no earlier than the client's
     # send time, from which the client trusts the lease (G5).
@@ -533,12 +535,14 @@ def _postgresql(
     # it matches nothing and writes no WAL (a miss is read-only). nextval() runs
     # in UPDATE's SET, which PostgreSQL re-evaluates (EvalPlanQual) after it
     # waited for a competing grant's row lock, so a late grant never writes a
-    # token drawn before an earlier grant's (G2). The INSERT only runs for a name
-    # that has no row yet; ON CONFLICT DO NOTHING makes a racing first insert a miss.
+    # token drawn before an earlier grant's (G2). Only when it matched nothing
+    # does the statement call the missed function (migration 0012): it reads
+    # the row for the miss report, or, for a name with no row yet, INSERTs it
+    # (ON CONFLICT DO NOTHING makes a racing first insert a miss). PostgreSQL
+    # skips the call when the UPDATE granted, where CTEs for those branches
+    # would each be started and run on every call.
     acquire = f"""
-WITH cur AS (
-    SELECT expires_at FROM {t} WHERE name = %(name)s
-), upd AS (
+WITH upd AS (
     UPDATE {t} AS l SET
         token = CASE WHEN l.owner = %(owner)s THEN l.token ELSE nextval('{seq}') END,
         acquired_at = CASE WHEN l.owner = %(owner)s THEN l.acquired_at ELSE now() END,
@@ -549,41 +553,31 @@ WITH cur AS (
     WHERE l.name = %(name)s
       AND (l.owner IS NULL OR l.expires_at <= now() OR l.owner = %(owner)s)
     RETURNING l.token, l.expires_at
-), ins AS (
-    INSERT INTO {t} (name, owner, token, acquired_at, expires_at, label)
-    SELECT %(name)s, %(owner)s, nextval('{seq}'), now(), {ttl}, %(label)s
-    WHERE NOT EXISTS (SELECT FROM cur)
-    ON CONFLICT (name) DO NOTHING
-    RETURNING token, expires_at
 )
 SELECT true AS granted, token, expires_at, NULL::float8 AS wait FROM upd
-UNION ALL SELECT true, token, expires_at, NULL FROM ins
-UNION ALL SELECT false, NULL, NULL, EXTRACT(EPOCH FROM expires_at - now())::float8 FROM cur
-ORDER BY granted DESC
-LIMIT 1"""
+UNION ALL
+SELECT m.granted, m.token, m.expires_at, m.wait FROM {missed_fn}(%(name)s, %(owner)s, %(ttl)s, %(label)s) AS m
+WHERE NOT EXISTS (SELECT FROM upd)"""
     # release
     # binds: name, owner, token
     # returns one row (token, handed) when this call ended the lease: nobody
-    #   else had taken it since, even if its TTL had run out.
+    #   else had taken it since, even if its TTL had run out. token: the ended
+    #   lease's; handed: whether the name went on to a waiter in this statement.
     # zero rows: already released, or taken over by another owner (G3).
-    # The row stays (DESIGN.md §3): only the lease is cleared. With nobody
-    # waiting (waiting = 0, a column of this row, so PostgreSQL re-reads it
-    # after waiting for the row lock) that is this one UPDATE. Otherwise the
-    # hand-off function (migration 0005) runs instead, in the same statement:
-    # it grants the first live waiter a fresh token under the row lock (G2)
-    # and NOTIFYs exactly that waiter's listener; when readers or semaphore
-    # waiters are first in line, each of them up to the next writer that fits,
-    # a token each (migration 0008).
+    # The row stays (DESIGN.md §3): only the lease is cleared, by this one
+    # UPDATE, which holds the row lock to the commit. Its RETURNING reads the
+    # row as written, and when the row counts waiters (waiting, a column of
+    # this row, so re-read after a wait for the row lock) it calls the
+    # hand_on function (migration 0012) in the same statement: it grants the
+    # first live waiter a fresh token under that row lock (G2) and NOTIFYs
+    # exactly that waiter's listener; when readers or semaphore waiters are
+    # first in line, each of them up to the next writer that fits, a token
+    # each. handed: whether it granted anyone. With nobody waiting the
+    # function is not called: the release costs what the UPDATE costs.
     release = f"""
-WITH r AS (
-    UPDATE {t} SET owner = NULL, expires_at = NULL
-    WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s AND waiting = 0
-    RETURNING token
-)
-SELECT token, false FROM r
-UNION ALL
-SELECT h.token, h.notified FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
-WHERE NOT EXISTS (SELECT FROM r)"""
+UPDATE {t} SET owner = NULL, expires_at = NULL
+WHERE name = %(name)s AND owner = %(owner)s AND token = %(token)s
+RETURNING token, CASE WHEN waiting > 0 THEN {hand_on_fn}(name) ELSE false END"""
     # release_held (a release of a lease granted with min_hold > 0)
     # binds: name, owner, token, hold (seconds after the grant the lease is kept)
     # returns one row (token, handed, held_until) when (name, owner, token) still
@@ -598,21 +592,16 @@ WHERE NOT EXISTS (SELECT FROM r)"""
     #     over: a fair waiter gets the lease at that expiry, as after a holder
     #     that died (the first few in line look then). A late extend of the same
     #     lease would still push the expiry out; the Lease sends none after this.
-    # One UPDATE: its WHERE re-reads waiting after a row lock, as release's does.
+    # One UPDATE, as release's: when the hold had passed and the row counts
+    # waiters, its RETURNING hands the name on (held_until is then NULL: the
+    # expiry the UPDATE wrote, read from its own row, before any grant).
     hold = "l.acquired_at + %(hold)s * interval '1 second'"
     release_held = f"""
-WITH r AS (
-    UPDATE {t} AS l SET
-        owner = CASE WHEN {hold} > now() THEN l.owner END,
-        expires_at = CASE WHEN {hold} > now() THEN {hold} END
-    WHERE l.name = %(name)s AND l.owner = %(owner)s AND l.token = %(token)s
-      AND (l.waiting = 0 OR {hold} > now())
-    RETURNING l.token, l.expires_at
-)
-SELECT token, false, expires_at FROM r
-UNION ALL
-SELECT h.token, h.notified, NULL FROM {handoff_fn}(%(name)s, %(owner)s, %(token)s::bigint) AS h
-WHERE NOT EXISTS (SELECT FROM r)"""
+UPDATE {t} AS l SET
+    owner = CASE WHEN {hold} > now() THEN l.owner END,
+    expires_at = CASE WHEN {hold} > now() THEN {hold} END
+WHERE l.name = %(name)s AND l.owner = %(owner)s AND l.token = %(token)s
+RETURNING l.token, CASE WHEN l.owner IS NULL AND l.waiting > 0 THEN {hand_on_fn}(l.name) ELSE false END, l.expires_at"""
     # released (only after a release whose reply was lost)
     # binds: name, owner, token
     # returns one row when the lease with this token ended and nobody took the
