@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import dataclasses
+from typing import Any
 
 import psycopg
 import pytest
@@ -72,6 +73,65 @@ def test_failed_attempts_write_no_wal(pg: Db, variant: str) -> None:
     else:
         assert written > 5000, "the naive upsert should have written WAL on every miss"
     holder.release()
+
+
+def test_a_grant_and_a_release_with_nobody_waiting_run_no_function(pg: Db) -> None:
+    """The acquire's and the release's common paths are their UPDATE alone (0012); a miss calls
+    missed (a read), and a release with a waiter in line calls hand_on, which grants that
+    waiter itself. Counted by the server (track_functions), each case in a transaction rolled back."""
+    from .test_waiting import join_queue_in
+
+    locker = pg.locker()
+    sql, t = locker.backend.sql, pg.table
+    locker.try_acquire("n").release()  # the name's row: from here on a grant is the UPDATE's
+    conn = psycopg.connect(libpq_dsn(pg.url))  # transactions: the server counts each one's calls
+    try:
+        conn.execute("SET LOCAL track_functions = 'pl'")
+    except psycopg.errors.InsufficientPrivilege:
+        conn.close()
+        pytest.skip("track_functions may only be set by a superuser, which DBLOCK_TEST_URL's role is not")
+    conn.rollback()
+
+    def counted() -> dict[str, int]:
+        # This session's calls not yet reported, which may include earlier transactions': a difference.
+        rows = conn.execute(
+            "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE funcname LIKE %s", (t + "\\_%",)
+        ).fetchall()
+        return {name.removeprefix(t + "_"): n for name, n in rows}
+
+    def calls(case: Any) -> dict[str, int]:
+        conn.execute("SET LOCAL track_functions = 'pl'")
+        before = counted()
+        case()
+        after = counted()
+        conn.rollback()
+        return {name: n - before.get(name, 0) for name, n in after.items() if n != before.get(name, 0)}
+
+    def grant(owner: str) -> Any:
+        binds = {"name": "n", "owner": owner, "ttl": 60.0, "label": "test"}
+        return conn.execute(sql.acquire, binds).fetchone()
+
+    def grant_and_release() -> None:
+        granted, token, _, _ = grant("a" * 32)
+        assert granted
+        assert conn.execute(sql.release, {"name": "n", "owner": "a" * 32, "token": token}).fetchall() == [(token, False)]
+
+    def miss() -> None:
+        assert grant("a" * 32)[0] is True
+        assert grant("b" * 32)[0] is False
+
+    def hand_on() -> None:
+        _, token, _, _ = grant("a" * 32)
+        join_queue_in(conn, pg, "n", "next", 60)
+        assert conn.execute(sql.release, {"name": "n", "owner": "a" * 32, "token": token}).fetchall() == [(token, True)]
+        assert conn.execute(f"SELECT owner FROM {t} WHERE name = 'n'").fetchall() == [("next",)]
+
+    try:
+        assert calls(grant_and_release) == {}
+        assert calls(miss) == {"missed": 1}
+        assert calls(hand_on) == {"hand_on": 1}
+    finally:
+        conn.close()
 
 
 def test_grants_are_hot_updates(pg: Db) -> None:
