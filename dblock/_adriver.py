@@ -234,10 +234,14 @@ class AsyncDriver:
                 raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = await self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             timer: Armed | None = None
+            result: tuple[list[Sequence[Any]], list[Sequence[Any]]]
             try:
                 if self._cut:
                     timer = acut_at(conn, deadline)
-                    result = await self._statements(conn, sql, params, then, before)
+                    if then is None and before is None:  # one statement: the common case
+                        result = (await self._execute(conn, sql, params), [])
+                    else:
+                        result = await self._statements(conn, sql, params, then, before)
                 else:
                     await self._busy_timeout(conn, deadline)
                     result = await afinished(self._statements(conn, sql, params, then, before))

@@ -238,8 +238,8 @@ class AsyncLocker:
         check_name(name)
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
-        hold = check_min_hold(min_hold)
-        key = check_owner(owner)
+        hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
+        key = None if owner is None else check_owner(owner)
         lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
         if lease is not None and renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
@@ -275,8 +275,8 @@ class AsyncLocker:
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
         check_renew(renew, on_lost, on_expiring, expiring_margin)
-        hold = check_min_hold(min_hold)
-        key = check_owner(owner)
+        hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
+        key = None if owner is None else check_owner(owner)
         lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
         if renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
@@ -345,7 +345,7 @@ class AsyncLocker:
                 return again
         acquirer = self._acquirer
         attempt = acquirer.new_try(hold, limit, owner=keyed)
-        deadline = self._deadline()
+        deadline = self._verbs.deadline()
         granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
         return None if granted is None else self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 

@@ -218,10 +218,14 @@ class Driver:
                 raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
             timer: Armed | None = None
+            result: tuple[list[Sequence[Any]], list[Sequence[Any]]]
             try:
                 if self._cut:
                     timer = cut_at(conn, deadline)
-                    result = self._statements(conn, sql, params, then, before)
+                    if then is None and before is None:  # one statement: the common case
+                        result = (self._execute(conn, sql, params), [])
+                    else:
+                        result = self._statements(conn, sql, params, then, before)
                 else:
                     self._busy_timeout(conn, deadline)
                     result = finished(self._statements(conn, sql, params, then, before))

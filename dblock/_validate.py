@@ -189,6 +189,8 @@ def check_token(token: object) -> int:
 def check_renew(renew: object, on_lost: object, on_expiring: object = None, expiring_margin: object = None) -> None:
     """``renew``, ``on_lost``, ``on_expiring`` and ``expiring_margin`` of an acquire: a bool, and
     callables (and a margin in seconds) only with renewal."""
+    if renew is False and on_lost is None and on_expiring is None and expiring_margin is None:
+        return  # the defaults: every acquire without renewal
     if not isinstance(renew, bool):
         raise TypeError(f"renew must be True or False, not {type(renew).__name__}")
     check_callbacks(on_lost, on_expiring, expiring_margin)
