@@ -327,43 +327,13 @@ AS $function$
 #variable_conflict use_column
 DECLARE
     l record;
-    gave int;
 BEGIN
     SELECT k.owner, k.token INTO l FROM locks AS k WHERE k.name = p_name FOR UPDATE;
     IF NOT FOUND OR l.owner IS DISTINCT FROM p_owner OR l.token <> p_token THEN
         RETURN;
     END IF;
-    -- A writer's lease ends, so nothing else is held (readers hold under '*shared'). A statement
-    -- of its own, so it sees every change committed before the row lock; nobody changes
-    -- the line meanwhile, as every function that does takes the row lock first. The walk's
-    -- first step, when the head is a live writer: out of the line, and granted with a token
-    -- drawn after the row lock (G2) and an expiry from clock_timestamp(), after the
-    -- waiter's last look was sent (G5).
-    RETURN QUERY
-    WITH v AS (
-        SELECT x.seq, x.owner, x.ttl, x.label FROM locks_waiters AS x
-        WHERE x.name = p_name AND x.seq = (SELECT min(y.seq) FROM locks_waiters AS y WHERE y.name = p_name)
-            AND NOT x.shared AND (x.until IS NULL OR x.until > now())
-            AND EXISTS (SELECT FROM locks_procs AS q WHERE q.id = x.proc AND q.until > now())
-            AND (x.pid IS NULL OR NOT pg_try_advisory_xact_lock_shared(1684171883, x.pid) OR EXISTS (
-                SELECT FROM pg_stat_get_activity(x.pid) AS a
-                WHERE a.backend_start IS NULL OR a.backend_start = x.start))
-    ), d AS (
-        DELETE FROM locks_waiters AS x USING v WHERE x.name = p_name AND x.seq = v.seq
-        RETURNING v.owner, v.ttl, v.label
-    ), g AS (
-        UPDATE locks AS k SET owner = d.owner, token = nextval('locks_token_seq'), acquired_at = now(),
-            expires_at = clock_timestamp() + d.ttl * interval '1 second', label = d.label, waiting = k.waiting - 1
-        FROM d WHERE k.name = p_name
-        RETURNING k.token, k.owner, k.expires_at
-    )
-    SELECT g.token, true FROM g,
-        LATERAL pg_notify('dblock_' || left(g.owner, 16), g.owner || ' ' || g.token || ' ' || extract(epoch FROM g.expires_at));
-    IF FOUND THEN
-        RETURN;
-    END IF;
-    gave := locks_admit(p_name, 0, NULL, true);
-    IF gave > 0 THEN
+    UPDATE locks AS k SET owner = NULL, expires_at = NULL WHERE k.name = p_name;
+    IF locks_hand_on(p_name) THEN
         -- As 0005's: the token of the grant it made (of the newest, when it admitted readers).
         RETURN QUERY SELECT k.token, true FROM locks AS k WHERE k.name = p_name;
     ELSE

@@ -19,10 +19,13 @@
   makes a name's first grant (its row's INSERT). A grant saves about 17 us of
   server time.
 
-``<table>_handoff`` stays, unchanged, for a dblock from before this
-migration that still runs beside a new one. A dblock from this migration on
-needs both functions: against older tables its acquire raises
-``SchemaMissing``, which names the upgrade. A downgrade drops them.
+``<table>_handoff`` stays for a dblock from before this migration that still
+runs beside a new one, with a new body: once it has checked the caller's lease
+under the row lock, it clears the lease and calls ``<table>_hand_on``, as a
+release now does, so a hand-off is written once. A dblock from this migration
+on needs both new functions: against older tables its acquire raises
+``SchemaMissing``, which names the upgrade. A downgrade drops them and puts
+0011's ``<table>_handoff`` back.
 
 Revision ID: dblock_0012
 Revises: dblock_0011
@@ -37,6 +40,7 @@ from dblock.migrate import backend, target
 from dblock.schema import (
     lean_function_names,
     procs_table_name,
+    queue_function_names,
     shared_queue_function_names,
     token_sequence_name,
     waiters_table_name,
@@ -60,6 +64,7 @@ def downgrade() -> None:
         table, schema = target()
         quote = op.get_context().dialect.identifier_preparer.quote
         prefix = quote(schema) + "." if schema else ""
+        op.execute(context.script.get_revision("dblock_0011").module._functions(table, schema)[1])  # handoff
         missed, hand_on = (prefix + quote(n) for n in lean_function_names(table))
         op.execute(f"DROP FUNCTION IF EXISTS {missed}(text, text, double precision, text)")
         op.execute(f"DROP FUNCTION IF EXISTS {hand_on}(text)")
@@ -74,6 +79,7 @@ def _functions(table: str, schema: str | None) -> list[str]:
     seq = (prefix + quote(token_sequence_name(table))).replace("'", "''")
     admit = prefix + quote(shared_queue_function_names(table)[0])
     missed, hand_on = (prefix + quote(n) for n in lean_function_names(table))
+    handoff = prefix + quote(queue_function_names(table)[1])
     live = context.script.get_revision("dblock_0011").module.live("x", p)
     return [
         # missed: what an acquire returns when its UPDATE matched nothing (the statement calls
@@ -134,5 +140,29 @@ BEGIN
         RETURN true;
     END IF;
     RETURN {admit}(p_name, 0, NULL, true) > 0;
+END $$""",
+        # handoff: the release of a dblock from before 0012, when waiters are queued (0005's
+        # contract): one row (token, notified) when owner's lease with that token ended (token:
+        # the grant it handed over, if any); zero rows: not ours (G3). It ends the lease as
+        # this dblock's release does, and hand_on hands the name on.
+        f"""
+CREATE OR REPLACE FUNCTION {handoff}(p_name text, p_owner text, p_token bigint)
+RETURNS TABLE (token bigint, notified boolean)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    l record;
+BEGIN
+    SELECT k.owner, k.token INTO l FROM {t} AS k WHERE k.name = p_name FOR UPDATE;
+    IF NOT FOUND OR l.owner IS DISTINCT FROM p_owner OR l.token <> p_token THEN
+        RETURN;
+    END IF;
+    UPDATE {t} AS k SET owner = NULL, expires_at = NULL WHERE k.name = p_name;
+    IF {hand_on}(p_name) THEN
+        -- As 0005's: the token of the grant it made (of the newest, when it admitted readers).
+        RETURN QUERY SELECT k.token, true FROM {t} AS k WHERE k.name = p_name;
+    ELSE
+        RETURN QUERY SELECT p_token, false;
+    END IF;
 END $$""",
     ]
