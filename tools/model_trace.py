@@ -439,16 +439,12 @@ def _handed_on(via: str) -> bool:
     return any(f in ("handoff", "hand_on") for f in via.split(","))
 
 
-def _hands_on(events: Sequence[Event], release: Event) -> bool:
-    """Whether the transaction of ``release`` (a release's own UPDATE, since 0012) went on to
-    hand the name on: another step of it ran in hand_on."""
-    return any(e.txid == release.txid and "hand_on" in e.via.split(",") for e in events)
-
-
 def summary(events: Sequence[Event]) -> Counter[str]:
     """How many steps of each sort a trace has: grants split by what they took (a free row, a
     writer's lease that ran out, the name after shared leases, a lease its release handed
     over), extends, releases, shared steps."""
+    # Transactions that handed the name on in hand_on: a release's own UPDATE (0012) is one of theirs.
+    handed_on = {e.txid for e in events if "hand_on" in e.via.split(",")}
     seen: Counter[str] = Counter()
     owner: str | None = None
     for e in events:
@@ -469,7 +465,7 @@ def summary(events: Sequence[Event]) -> Counter[str]:
                 seen["shared grant (handed over by a writer's release)"] += 1
             elif owner not in (None, SHARED_OWNER):
                 seen["shared grant (after a writer's lease ran out)"] += 1
-        elif e.kind == "RELEASE" and (_handed_on(e.via) or _hands_on(events, e)):
+        elif e.kind == "RELEASE" and (_handed_on(e.via) or e.txid in handed_on):
             seen["release handing over"] += 1
         else:
             seen[e.kind.lower().replace("_", " ")] += 1
