@@ -1,13 +1,20 @@
 """One process of the Galera races: threads on one node of the cluster, riding out its death.
 
-Usage: python galera_worker.py race URL TABLE NAME TTL THREADS DURATION
+Usage: python galera_worker.py race URL TABLE NAME TTL THREADS DURATION [OVERTIME]
        python galera_worker.py counter URL TABLE COUNTER TTL THREADS DURATION
 
 race: as race_worker.py's "try" mode (try_acquire in a loop, hold a random
 while, sometimes past the TTL, release 70% of the leases), but a call that
 raises DatabaseUnavailable (the node died, or its statement was cut off at
-its deadline) is counted and the thread goes on, after 50 ms: a worker whose
-node is killed keeps what it was granted before, and reports it.
+its deadline), or fails in the audit's trigger (see install_audit in
+test_galera.py), is counted and the thread goes on, after 50 ms: a worker whose
+node is killed keeps what it was granted before, and reports it. With
+OVERTIME, a second line on stdin gives a time (a monotonic value, or -inf):
+the race goes on past DURATION, for up to OVERTIME seconds more, until this
+process has a grant received after that time (-inf: none). A node that was killed stalls
+its survivors' calls until it is evicted, and a call cut off at op_timeout can
+end just before DURATION does: the overtime makes sure the survivors race
+after the eviction, however long it took, instead of hoping it was short.
 
 counter: the read-modify-write loop of rmw_worker.py's "stamp" mode on one
 node: acquire "counter" (TTL, waiting up to 30 s), in one transaction stamp
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import sys
 import threading
@@ -42,12 +50,13 @@ from sqlalchemy import BigInteger, Column, Integer, MetaData, Table, create_engi
 from sqlalchemy.exc import DBAPIError
 
 import dblock
-from dblock import DatabaseUnavailable, Locker
+from dblock import DatabaseUnavailable, DBLockError, Locker
 
 logging.getLogger("dblock").setLevel(logging.CRITICAL)  # a dead node's errors are counted, not logged
 
 OP_BOUND = 5.0 + 0.25 + 2.0  # op_timeout (default) + 0.25 s, and 2 s of slack
 WAIT_TIMEOUT = 30.0
+TRIGGER_BODY = "has an error in its body"
 WAIT_BOUND = WAIT_TIMEOUT + 2.5 + 2.0
 
 
@@ -119,24 +128,46 @@ def run_threads(threads: int, report: Report, loop: Callable[[], None]) -> None:
         w.join()
 
 
-def race(url: str, table: str, name: str, ttl: float, threads: int, duration: float) -> dict[str, Any]:
+def race(
+    url: str, table: str, name: str, ttl: float, threads: int, duration: float, overtime: float = 0.0
+) -> dict[str, Any]:
     locker = Locker(url, table=table, poll_min=0.001, poll_max=0.01)
     locker.leases()  # connected before the start
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
     report = Report()
     grants: list[list[float]] = []
+    settled = [math.inf]  # no grant is after it until stdin says when
+    late = threading.Event()  # a grant received after settled[0]
+
+    def listen() -> None:
+        line = sys.stdin.readline()
+        settled[0] = float(line) if line.strip() else -math.inf
+        with report.guard:  # -inf (or stdin closed): no overtime
+            if settled[0] == -math.inf or any(g[1] > settled[0] for g in grants):
+                late.set()
+
+    if overtime > 0:
+        threading.Thread(target=listen, daemon=True).start()
+    else:
+        late.set()
 
     def loop() -> None:
         rng = random.Random()
         while time.monotonic() < start_at:
             time.sleep(0.001)
         end = start_at + duration
-        while time.monotonic() < end:
+        while time.monotonic() < end or (not late.is_set() and time.monotonic() < end + overtime):
             try:
                 lease = report.timed("try_acquire", OP_BOUND, lambda: locker.try_acquire(name, ttl=ttl))
             except DatabaseUnavailable:
                 report.error("try_acquire")
+                time.sleep(0.05)
+                continue
+            except DBLockError as exc:
+                if TRIGGER_BODY not in str(exc):
+                    raise
+                report.error("audit trigger")
                 time.sleep(0.05)
                 continue
             if lease is None:
@@ -152,8 +183,14 @@ def race(url: str, table: str, name: str, ttl: float, threads: int, duration: fl
                     report.timed("release", OP_BOUND, lease.release)
                 except DatabaseUnavailable:
                     report.error("release")
+                except DBLockError as exc:
+                    if TRIGGER_BODY not in str(exc):
+                        raise
+                    report.error("audit trigger")
             with report.guard:
                 grants.append([lease.token, received, trusted_until])
+                if received > settled[0]:
+                    late.set()
 
     run_threads(threads, report, loop)
     report.timed("close", OP_BOUND + 5.0, locker.close)
@@ -216,8 +253,10 @@ def counter(url: str, table: str, name: str, ttl: float, threads: int, duration:
 def main() -> None:
     mode, url, table, name = sys.argv[1:5]
     ttl, threads, duration = float(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
-    work = {"race": race, "counter": counter}[mode]
-    out = work(url, table, name, ttl, threads, duration)
+    if mode == "race":
+        out = race(url, table, name, ttl, threads, duration, *map(float, sys.argv[8:9]))
+    else:
+        out = counter(url, table, name, ttl, threads, duration)
     json.dump(out, sys.stdout)
     sys.stdout.flush()
 
