@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Awaitable, Callable, Coroutine, Protocol, TypeVar, Union
 
@@ -60,10 +61,13 @@ Lock = threading.Lock
 
 
 class Cut(Protocol):
-    """A statement's deadline, armed: ``cancel()`` once the statement answered."""
+    """A connection whose statement can be cut off: ``cut`` set, its socket shut down (``raw``);
+    ``guard``, its pool's lock, and ``watch``, its deadline for the sync watchdog (``_Watch``)."""
 
     cut: bool
     raw: Any
+    guard: Any
+    watch: Any
 
 
 class Armed(Protocol):
@@ -165,9 +169,8 @@ def spawn(work: Callable[[], None], name: str) -> threading.Thread:
     return thread
 
 
-def current_worker() -> Any:
-    """The thread this runs in."""
-    return threading.current_thread()
+# The thread this runs in (threading's own function: no wrapper to call on the hot path).
+current_worker: Callable[[], Any] = threading.current_thread
 
 
 def event_wait(event: threading.Event, timeout: float | None) -> bool:
@@ -222,30 +225,39 @@ def shutdown_socket(raw: Any) -> None:
 
 
 class _Watch:
-    """A statement's deadline in the watchdog's set, which ``cancel`` leaves (under the set's lock)."""
+    """A connection's statement deadline for the watchdog (``inf``: no statement running).
 
-    __slots__ = ("conn", "deadline", "_busy", "_lock")
+    One per connection, made at its first statement and kept. Arming and
+    ``cancel`` are plain stores: a statement pays no lock, no set and no object
+    of its own for its deadline. The watchdog cuts under the connection's
+    ``guard`` (its pool's lock), which the connection's return to the pool also
+    takes, so it never cuts the next statement on the same connection: a
+    statement that answered in the instant it was cut keeps its result, and its
+    connection, marked cut, is thrown away instead of going back to the pool.
+    """
 
-    def __init__(self, conn: Cut, deadline: float, busy: set[_Watch], lock: threading.Lock) -> None:
+    __slots__ = ("conn", "deadline", "__weakref__")
+
+    def __init__(self, conn: Cut) -> None:
         self.conn = conn
-        self.deadline = deadline
-        self._busy = busy  # the watchdog's, as it was when this was armed (a fork's child makes new ones)
-        self._lock = lock
+        self.deadline = math.inf
 
     def cancel(self) -> None:
-        with self._lock:
-            self._busy.discard(self)
+        self.deadline = math.inf
 
 
 class _Watchdog:
     """One thread per process that cuts statements still running at their deadline.
 
-    The hot path only records the deadline and adds it to a set. While
-    statements run, the thread looks every ``TICK`` seconds (or at the earliest
-    deadline, if sooner), so a statement is cut at most ``TICK`` late and a new
-    statement has to wake the thread only when its deadline is nearer than the
-    next look: rare, so the hot path costs no thread switch. After ``LINGER``
-    idle seconds the thread sleeps until the next statement.
+    The hot path only stores the deadline on the connection's ``_Watch``.
+    While statements run, the thread looks every ``TICK`` seconds (or at the
+    earliest deadline, if sooner), so a statement is cut at most ``TICK`` late,
+    and a new statement wakes the thread only when its deadline is nearer than
+    the next look: rare, so the hot path costs no thread switch. After
+    ``LINGER`` idle seconds the thread sleeps until the next statement: before
+    it does, it says so (``_wake_at`` is ``inf``, which makes the next
+    statement wake it) and looks once more, so a statement armed meanwhile is
+    never missed.
     """
 
     TICK = 0.25
@@ -255,47 +267,66 @@ class _Watchdog:
         self._reset()
 
     def _reset(self) -> None:
-        # The hot path takes the plain lock under the condition: ``with`` on the Condition itself
-        # costs two more Python calls per statement.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._busy: set[_Watch] = set()
+        self._watches: weakref.WeakSet[_Watch] = weakref.WeakSet()  # one per connection that ran a statement
         self._wake_at = math.inf  # when the thread looks next
         self._thread: threading.Thread | None = None
         self._pid = process.pid
 
     def watch(self, conn: Cut, deadline: float) -> _Watch:
-        if self._pid != process.pid:
-            self._reset()  # the parent's thread did not survive the fork
-        watch = _Watch(conn, deadline, self._busy, self._lock)
-        with self._lock:
-            self._busy.add(watch)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dblock-watchdog", daemon=True)
-                self._thread.start()
-            elif deadline < self._wake_at:
+        watch: _Watch | None = conn.watch
+        if watch is None or self._pid != process.pid:
+            watch = self._register(conn)
+        watch.deadline = deadline
+        if deadline < self._wake_at:
+            with self._lock:
                 self._cond.notify()
         return watch
 
+    def _register(self, conn: Cut) -> _Watch:
+        if self._pid != process.pid:
+            self._reset()  # the parent's thread did not survive the fork
+        watch = conn.watch = _Watch(conn)
+        with self._lock:
+            self._watches.add(watch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dblock-watchdog", daemon=True)
+                self._thread.start()
+        return watch
+
+    def _due(self, watches: list[_Watch], now: float) -> float:
+        """Cut what is due at ``now``; the earliest deadline still armed (``inf``: none)."""
+        soonest = math.inf
+        for watch in watches:
+            deadline = watch.deadline
+            if deadline <= now:
+                with watch.conn.guard:  # the pool's lock: see _Watch
+                    if watch.deadline <= now:
+                        watch.deadline = math.inf
+                        cut(watch.conn)
+            elif deadline < soonest:
+                soonest = deadline
+        return soonest
+
     def _run(self) -> None:
         idle_since: float | None = None
-        with self._cond:
-            while True:
-                now = time.monotonic()
-                for watch in [w for w in self._busy if w.deadline <= now]:
-                    # Under the lock: done() cannot return the connection to the
-                    # pool (and another statement start on it) while we cut it.
-                    self._busy.discard(watch)
-                    cut(watch.conn)
-                if self._busy:
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = now
+        while True:
+            now = time.monotonic()
+            with self._lock:  # a connection's first statement adds to the set under it
+                watches = list(self._watches)
+            soonest = self._due(watches, now)
+            if soonest < math.inf:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            with self._lock:
                 if idle_since is not None and now - idle_since >= self.LINGER:
-                    self._wake_at = math.inf
-                    self._cond.wait()
+                    self._wake_at = math.inf  # from now on a new statement wakes the thread
+                    if self._due(list(self._watches), time.monotonic()) == math.inf:  # one armed before is seen
+                        self._cond.wait()
+                    idle_since = None
                 else:
-                    soonest = min((w.deadline for w in self._busy), default=math.inf)
                     self._wake_at = min(soonest, now + self.TICK)
                     self._cond.wait(max(self._wake_at - now, 0.0))
 

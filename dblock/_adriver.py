@@ -59,14 +59,16 @@ __all__ = ["IDLE", "OPEN", "WAIT", "AsyncDriver", "Busy", "OutOfTime", "Result",
 
 
 class _AConn:
-    __slots__ = ("raw", "cursor", "busy_ms", "cut", "waiting")
+    __slots__ = ("raw", "cursor", "busy_ms", "cut", "waiting", "guard", "watch")
 
-    def __init__(self, raw: Any, cursor: Any) -> None:
+    def __init__(self, raw: Any, cursor: Any, guard: Any) -> None:
         self.raw = raw
         self.cursor = cursor
         self.busy_ms = WRITER_WAIT_MS
         self.cut = False  # its statement's deadline came and its socket was shut down
         self.waiting = False  # checked out for a waiting acquire's statement
+        self.guard = guard  # the pool's lock, taken to return it: the sync watchdog cuts under it
+        self.watch: Any = None  # its deadline, for the sync watchdog (_acompat._Watch)
 
 
 class AsyncDriver:
@@ -152,7 +154,7 @@ class AsyncDriver:
                     self._asking -= 1
         try:
             raw = await self.connect(deadline)
-            conn = _AConn(raw, await self.backend.acursor(raw))
+            conn = _AConn(raw, await self.backend.acursor(raw), self._lock)
         except BaseException:
             await self._forget(1, waiting)
             raise

@@ -57,14 +57,16 @@ __all__ = ["IDLE", "OPEN", "WAIT", "Driver", "Busy", "OutOfTime", "Result", "poo
 
 
 class _Conn:
-    __slots__ = ("raw", "cursor", "busy_ms", "cut", "waiting")
+    __slots__ = ("raw", "cursor", "busy_ms", "cut", "waiting", "guard", "watch")
 
-    def __init__(self, raw: Any, cursor: Any) -> None:
+    def __init__(self, raw: Any, cursor: Any, guard: Any) -> None:
         self.raw = raw
         self.cursor = cursor
         self.busy_ms = WRITER_WAIT_MS
         self.cut = False  # its statement's deadline came and its socket was shut down
         self.waiting = False  # checked out for a waiting acquire's statement
+        self.guard = guard  # the pool's lock, taken to return it: the sync watchdog cuts under it
+        self.watch: Any = None  # its deadline, for the sync watchdog (_acompat._Watch)
 
 
 class Driver:
@@ -136,7 +138,7 @@ class Driver:
                     self._asking -= 1
         try:
             raw = self.connect(deadline)
-            conn = _Conn(raw, self.backend.cursor(raw))
+            conn = _Conn(raw, self.backend.cursor(raw), self._lock)
         except BaseException:
             self._forget(1, waiting)
             raise
