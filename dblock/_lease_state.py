@@ -184,42 +184,63 @@ class HeldHere:
     so that a wait for a name its own thread (or task) still holds can say so: dblock's locks are
     not re-entrant, and such a wait ends only when that lease is released or expires.
 
-    Weak references only: an entry goes with its lease (or its thread or task).
+    Weak references only, with no callbacks (a grant makes no closure and a lease's end runs
+    nothing): entries whose lease is gone or over are dropped when their name is looked up or
+    has more than 8 of them, and all of them whenever the table has doubled since the last
+    sweep, so it stays within about twice the leases that may still be relied on.
     """
 
+    SWEEP_AT = 64  # the least size at which a sweep runs
+
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # re-entrant: a weak reference's callback may run inside it (GC)
+        self._lock = threading.Lock()
         self._by_name: dict[str, list[tuple[weakref.ref[Any], weakref.ref[Any]]]] = {}
+        self._sweep_at = self.SWEEP_AT
 
     def add(self, name: str, lease: Any, worker: Any) -> None:
         if worker is None:
             return  # no task: nothing to tell apart
-
-        def gone(_: object, name: str = name) -> None:
-            self._prune(name)
-
+        entry = (weakref.ref(lease), weakref.ref(worker))
         with self._lock:
-            self._by_name.setdefault(name, []).append((weakref.ref(lease, gone), weakref.ref(worker)))
+            entries = self._by_name.get(name)
+            if entries is None:
+                self._by_name[name] = [entry]
+                if len(self._by_name) >= self._sweep_at:
+                    self._sweep()
+            else:
+                entries.append(entry)
+                if len(entries) > 8:  # a name taken again and again: at most one exclusive lease is live
+                    entries[:] = [entry for entry in entries if _relied_on(entry)]
 
     def holding(self, name: str, worker: Any) -> Any | None:
         """A lease on ``name`` that ``worker`` acquired and may still rely on, or None."""
         with self._lock:
-            entries = list(self._by_name.get(name, ()))
-        for lease_ref, worker_ref in entries:
-            lease = lease_ref()
-            if lease is not None and worker is not None and worker_ref() is worker and lease.remaining() > 0:
-                return lease
-        self._prune(name)
+            entries = self._by_name.pop(name, [])
+            kept = [entry for entry in entries if _relied_on(entry)]
+            if kept:
+                self._by_name[name] = kept
+        for lease_ref, worker_ref in kept:
+            if worker is not None and worker_ref() is worker:
+                return lease_ref()
         return None
 
-    def _prune(self, name: str) -> None:
-        with self._lock:
-            kept = []
-            for lease_ref, worker_ref in self._by_name.get(name, ()):
-                lease = lease_ref()
-                if lease is not None and worker_ref() is not None and lease.remaining() > 0:
-                    kept.append((lease_ref, worker_ref))
+    def _sweep(self) -> None:
+        # Under the lock.
+        for name, entries in list(self._by_name.items()):
+            kept = [entry for entry in entries if _relied_on(entry)]
             if kept:
                 self._by_name[name] = kept
             else:
-                self._by_name.pop(name, None)
+                del self._by_name[name]
+        self._sweep_at = max(self.SWEEP_AT, 2 * len(self._by_name))
+
+    def __len__(self) -> int:
+        """How many names have entries (tests)."""
+        return len(self._by_name)
+
+
+def _relied_on(entry: tuple[weakref.ref[Any], weakref.ref[Any]]) -> bool:
+    lease = entry[0]()
+    return lease is not None and entry[1]() is not None and lease.remaining() > 0
+
+

@@ -242,6 +242,23 @@ def test_waiting_for_a_name_this_worker_holds_says_so_at_once(
         again.release()
 
 
+def test_the_leases_kept_to_catch_a_wait_for_ones_own_stay_few(db: Db) -> None:
+    """The Locker remembers each exclusive lease with the thread or task that took it (to catch
+    a wait for its own lease), without a callback per lease: what it keeps stays within a
+    small multiple of the leases still held, however many names come and go."""
+    with make(db) as locker:
+        kept = locker.acquire("kept", ttl=30)
+        for i in range(300):  # many names, each released
+            (locker.acquire(f"n{i}", ttl=30)).release()
+        for _ in range(50):  # one name again and again
+            (locker.acquire("again", ttl=30)).release()
+        assert len(locker._held_here) <= 2 * 64  # swept whenever it doubles: 64 at least
+        assert len(locker._held_here._by_name.get("again", [])) <= 9
+        with pytest.raises(LockNotAcquired, match="holds it already"):  # still known after the sweeps
+            locker.acquire("kept", timeout=10)
+        kept.release()
+
+
 def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:
     with make(db) as locker:
         with locker.lock("blk", ttl=30) as lease:

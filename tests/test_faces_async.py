@@ -243,6 +243,23 @@ async def test_waiting_for_a_name_this_worker_holds_says_so_at_once(
         await again.release()
 
 
+async def test_the_leases_kept_to_catch_a_wait_for_ones_own_stay_few(db: Db) -> None:
+    """The Locker remembers each exclusive lease with the thread or task that took it (to catch
+    a wait for its own lease), without a callback per lease: what it keeps stays within a
+    small multiple of the leases still held, however many names come and go."""
+    async with make(db) as locker:
+        kept = await locker.acquire("kept", ttl=30)
+        for i in range(300):  # many names, each released
+            await (await locker.acquire(f"n{i}", ttl=30)).release()
+        for _ in range(50):  # one name again and again
+            await (await locker.acquire("again", ttl=30)).release()
+        assert len(locker._held_here) <= 2 * 64  # swept whenever it doubles: 64 at least
+        assert len(locker._held_here._by_name.get("again", [])) <= 9
+        with pytest.raises(LockNotAcquired, match="holds it already"):  # still known after the sweeps
+            await locker.acquire("kept", timeout=10)
+        await kept.release()
+
+
 async def test_the_lock_block_releases_on_exit_and_on_error(db: Db) -> None:
     async with make(db) as locker:
         async with locker.lock("blk", ttl=30) as lease:
