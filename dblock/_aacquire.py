@@ -123,11 +123,11 @@ class AsyncAcquirer:
             return await self._in_queue(name, attempt, ttl, timeout, deadline)
         return await self._in_line(name, attempt, ttl, timeout, deadline)
 
-    async def guarded(self, name: str, ttl: float, attempt: Try, work: Callable[[], Any]) -> Any:
-        """Run ``work()`` (an acquire); if it fails in doubt, or is cancelled, end whatever it may
+    async def guarded(self, name: str, ttl: float, attempt: Try, work: Callable[..., Any], *args: Any) -> Any:
+        """Run ``work(*args)`` (an acquire); if it fails in doubt, or is cancelled, end whatever it may
         have granted or queued (in the background, by owner id: G6)."""
         try:
-            return await work()
+            return await work(*args)
         except OutOfTime:
             raise  # nothing was sent
         except (DatabaseUnavailable, LockNotAcquired) as exc:

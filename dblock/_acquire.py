@@ -122,11 +122,11 @@ class Acquirer:
             return self._in_queue(name, attempt, ttl, timeout, deadline)
         return self._in_line(name, attempt, ttl, timeout, deadline)
 
-    def guarded(self, name: str, ttl: float, attempt: Try, work: Callable[[], Any]) -> Any:
-        """Run ``work()`` (an acquire); if it fails in doubt, or is cancelled, end whatever it may
+    def guarded(self, name: str, ttl: float, attempt: Try, work: Callable[..., Any], *args: Any) -> Any:
+        """Run ``work(*args)`` (an acquire); if it fails in doubt, or is cancelled, end whatever it may
         have granted or queued (in the background, by owner id: G6)."""
         try:
-            return work()
+            return work(*args)
         except OutOfTime:
             raise  # nothing was sent
         except (DatabaseUnavailable, LockNotAcquired) as exc:

@@ -32,7 +32,8 @@ class AsyncKeeper:
     """One Locker's side of its leases of one kind (``shared``): release, extend, renewal's batches."""
 
     __slots__ = (
-        "locker", "renewer", "shared", "partner", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock"
+        "locker", "renewer", "shared", "partner", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock",
+        "_reentered",
     )
 
     def __init__(
@@ -50,6 +51,7 @@ class AsyncKeeper:
         # Leases entered again by their owner key: how many acquires each still has to be released for.
         self._entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._entered_lock = AMutex()
+        self._reentered = False  # some lease was ever entered again: until then a release looks at nothing
 
     def enter_again(self, lease: Any) -> bool:
         """Re-entry by an owner key: count one more acquire of ``lease``, if its holder may still rely
@@ -58,13 +60,14 @@ class AsyncKeeper:
             if lease.remaining() <= 0:
                 return False
             self._entered[lease] = self._entered.get(lease, 1) + 1
+            self._reentered = True
             return True
 
     def leave_inner(self, lease: Any) -> bool:
         """A release of ``lease``: True if it matches an inner acquire by its owner key (the lease
         stays, nothing is sent); False if it is the outermost (or the lease has ended)."""
-        if not self._entered:
-            return False  # no lease of this Locker was entered again: a release's usual case, no lock taken
+        if not self._reentered:
+            return False  # no lease of this Locker was ever entered again: a release's usual case, no lock taken
         with self._entered_lock:
             depth = self._entered.pop(lease, 1)
             if depth <= 1 or lease.remaining() <= 0:

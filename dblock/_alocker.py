@@ -172,6 +172,7 @@ class AsyncLocker:
         self._renewer = AsyncRenewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
         self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
+        self._ready = not self._needs_migration  # not closed, tables made: _ensure_schema has nothing to do
         self._held_here = HeldHere()  # its exclusive leases, by the thread or task that acquired each
         # Its leases acquired with an owner key, by (name, the key's owner id): a re-entry finds them.
         self._keyed: weakref.WeakValueDictionary[tuple[str, str], AsyncLease] = weakref.WeakValueDictionary()
@@ -205,6 +206,7 @@ class AsyncLocker:
                 if self._needs_migration:
                     await self.create_schema()
                     self._needs_migration = False
+                    self._ready = not self._closed
 
     # -- acquiring ---------------------------------------------------------
     async def try_acquire(
@@ -240,7 +242,7 @@ class AsyncLocker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
         key = None if owner is None else check_owner(owner)
-        lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
+        lease: AsyncLease | None = await self._measured(name, self._try, name, ttl, hold, owner=key)
         if lease is not None and renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
@@ -277,16 +279,17 @@ class AsyncLocker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
         key = None if owner is None else check_owner(owner)
-        lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
+        lease: AsyncLease = await self._measured(name, self._acquire, name, ttl, hold, timeout, owner=key)
         if renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
-    async def _measured(self, name: str, acquire: Callable[[], Any]) -> Any:
-        """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
+    async def _measured(self, name: str, acquire: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``acquire(*args, **kwargs)``, its wait (and what it came to) recorded by ``dblock.metrics``
+        (the arguments passed on, not a lambda: the hot path makes no closure)."""
         started = time.monotonic()
         try:
-            lease = await acquire()
+            lease = await acquire(*args, **kwargs)
         except BaseException as exc:
             metrics.recorder.waited(self.backend.name, name, started, exc)
             raise
@@ -307,7 +310,8 @@ class AsyncLocker:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a
         semaphore's. ``owner``: an owner key (re-entry); ``label``: written with the grant (an
         election's value) instead of the Locker's."""
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
             again = self._reenter(name, keyed)
@@ -330,14 +334,15 @@ class AsyncLocker:
                 )
         acquirer = self._acquirer
         attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed, label=label)
-        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        granted = await acquirer.guarded(name, ttl, attempt, acquirer.wait, name, attempt, ttl, timeout)
         return self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
     async def _try(
         self, name: str, ttl: float, hold: float, limit: int | None | bool = False, *, owner: str | None = None
     ) -> AsyncLease | None:
         """One attempt: a lease, or None if ``name`` is held (``limit`` and ``owner`` as in ``_acquire``)."""
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
             again = self._reenter(name, keyed)
@@ -346,7 +351,7 @@ class AsyncLocker:
         acquirer = self._acquirer
         attempt = acquirer.new_try(hold, limit, owner=keyed)
         deadline = self._verbs.deadline()
-        granted = await acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
+        granted, _ = await acquirer.guarded(name, ttl, attempt, acquirer.attempt, name, attempt, ttl, deadline)
         return None if granted is None else self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
     def _reenter(self, name: str, keyed: str) -> AsyncLease | None:
@@ -379,7 +384,8 @@ class AsyncLocker:
 
     async def _attempt(self, name: str, owner: str, ttl: float, *, limit: int | None | bool = False) -> Attempt:
         """One attempt by ``owner`` (tests: a retry after a lost reply, G6)."""
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         attempt = Try(owner, 0.0, limit)
         granted, wait = await self._acquirer.attempt(name, attempt, ttl, self._deadline())
         return Attempt(None if granted is None else self._lease(name, attempt, ttl, granted), wait)
@@ -445,7 +451,7 @@ class AsyncLocker:
         renewal = (on_lost, on_expiring, expiring_margin) if renew else None
 
         async def take(name: str) -> AsyncLease | None:
-            lease: AsyncLease | None = await self._measured(name, lambda: self._try(name, ttl, hold))
+            lease: AsyncLease | None = await self._measured(name, self._try, name, ttl, hold)
             return lease
 
         return await self._take_all(ordered, take, renewal)
@@ -486,7 +492,7 @@ class AsyncLocker:
 
         async def take(name: str) -> AsyncLease:
             left = max(deadline - time.monotonic(), 0.0)
-            lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+            lease: AsyncLease = await self._measured(name, self._acquire, name, ttl, hold, left)
             return lease
 
         try:
@@ -655,7 +661,7 @@ class AsyncLocker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(True, on_lost, on_expiring, expiring_margin)
-        lease: AsyncLease = await self._measured(name, lambda: self._acquire(name, ttl, 0.0, timeout, label=value))
+        lease: AsyncLease = await self._measured(name, self._acquire, name, ttl, 0.0, timeout, label=value)
         lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
@@ -819,7 +825,8 @@ class AsyncLocker:
         if given (one statement, by the name's key), exclusive or shared."""
         if name is not None:
             check_name(name)
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         return await self._verbs.leases(name)
 
     async def is_held(self, name: str) -> bool:
@@ -839,7 +846,8 @@ class AsyncLocker:
         """
         if not self.backend.caps.fair_queue:
             return {}
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         return await self._verbs.waiters()
 
     async def force_release(self, lease: LeaseInfo) -> bool:
@@ -853,7 +861,8 @@ class AsyncLocker:
         if not isinstance(lease, LeaseInfo):
             raise TypeError(f"force_release takes a LeaseInfo from leases(), not {type(lease).__name__}")
         check_name(lease.name)
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
         ended = (await self._verbs.end(key, self._deadline(), shared=lease.shared)).ended
         if ended:
@@ -869,7 +878,8 @@ class AsyncLocker:
         larger than every earlier one, pruned or not.
         """
         age = check_ttl(older_than, "older_than")
-        await self._ensure_schema()
+        if not self._ready:
+            await self._ensure_schema()
         return await self._verbs.prune(age)
 
     def open_connections(self) -> int:
@@ -893,6 +903,7 @@ class AsyncLocker:
         if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
             self.engine.dispose()
         self._closed = True
+        self._ready = False
 
     async def __aenter__(self) -> AsyncLocker:
         return self

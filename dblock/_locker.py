@@ -171,6 +171,7 @@ class Locker:
         self._renewer = Renewer(self._extend_many, self.op_timeout, max(1, min(4, max_connections - 1)))
         self.keeper.renewer = self.shared_keeper.renewer = self._renewer
         self._closed = False
+        self._ready = not self._needs_migration  # not closed, tables made: _ensure_schema has nothing to do
         self._held_here = HeldHere()  # its exclusive leases, by the thread or task that acquired each
         # Its leases acquired with an owner key, by (name, the key's owner id): a re-entry finds them.
         self._keyed: weakref.WeakValueDictionary[tuple[str, str], Lease] = weakref.WeakValueDictionary()
@@ -204,6 +205,7 @@ class Locker:
                 if self._needs_migration:
                     self.create_schema()
                     self._needs_migration = False
+                    self._ready = not self._closed
 
     # -- acquiring ---------------------------------------------------------
     def try_acquire(
@@ -239,7 +241,7 @@ class Locker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
         key = None if owner is None else check_owner(owner)
-        lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold, owner=key))
+        lease: Lease | None = self._measured(name, self._try, name, ttl, hold, owner=key)
         if lease is not None and renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
@@ -276,16 +278,17 @@ class Locker:
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
         key = None if owner is None else check_owner(owner)
-        lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, timeout, owner=key))
+        lease: Lease = self._measured(name, self._acquire, name, ttl, hold, timeout, owner=key)
         if renew and not lease.renewing:
             lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
-    def _measured(self, name: str, acquire: Callable[[], Any]) -> Any:
-        """``acquire()``, its wait (and what it came to) recorded by ``dblock.metrics``."""
+    def _measured(self, name: str, acquire: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``acquire(*args, **kwargs)``, its wait (and what it came to) recorded by ``dblock.metrics``
+        (the arguments passed on, not a lambda: the hot path makes no closure)."""
         started = time.monotonic()
         try:
-            lease = acquire()
+            lease = acquire(*args, **kwargs)
         except BaseException as exc:
             metrics.recorder.waited(self.backend.name, name, started, exc)
             raise
@@ -306,7 +309,8 @@ class Locker:
         """A waiting acquire; ``limit`` False: the exclusive lock, None: a reader's lease, an int: a
         semaphore's. ``owner``: an owner key (re-entry); ``label``: written with the grant (an
         election's value) instead of the Locker's."""
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
             again = self._reenter(name, keyed)
@@ -329,14 +333,15 @@ class Locker:
                 )
         acquirer = self._acquirer
         attempt = acquirer.new_try(hold, limit, waiting=timeout > 0, owner=keyed, label=label)
-        granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.wait(name, attempt, ttl, timeout))
+        granted = acquirer.guarded(name, ttl, attempt, acquirer.wait, name, attempt, ttl, timeout)
         return self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
     def _try(
         self, name: str, ttl: float, hold: float, limit: int | None | bool = False, *, owner: str | None = None
     ) -> Lease | None:
         """One attempt: a lease, or None if ``name`` is held (``limit`` and ``owner`` as in ``_acquire``)."""
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         keyed = None if owner is None else core.keyed_owner(owner)
         if keyed is not None:
             again = self._reenter(name, keyed)
@@ -345,7 +350,7 @@ class Locker:
         acquirer = self._acquirer
         attempt = acquirer.new_try(hold, limit, owner=keyed)
         deadline = self._verbs.deadline()
-        granted = acquirer.guarded(name, ttl, attempt, lambda: acquirer.once(name, attempt, ttl, deadline))
+        granted, _ = acquirer.guarded(name, ttl, attempt, acquirer.attempt, name, attempt, ttl, deadline)
         return None if granted is None else self._lease(name, attempt, ttl, granted, keyed=keyed is not None)
 
     def _reenter(self, name: str, keyed: str) -> Lease | None:
@@ -378,7 +383,8 @@ class Locker:
 
     def _attempt(self, name: str, owner: str, ttl: float, *, limit: int | None | bool = False) -> Attempt:
         """One attempt by ``owner`` (tests: a retry after a lost reply, G6)."""
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         attempt = Try(owner, 0.0, limit)
         granted, wait = self._acquirer.attempt(name, attempt, ttl, self._deadline())
         return Attempt(None if granted is None else self._lease(name, attempt, ttl, granted), wait)
@@ -444,7 +450,7 @@ class Locker:
         renewal = (on_lost, on_expiring, expiring_margin) if renew else None
 
         def take(name: str) -> Lease | None:
-            lease: Lease | None = self._measured(name, lambda: self._try(name, ttl, hold))
+            lease: Lease | None = self._measured(name, self._try, name, ttl, hold)
             return lease
 
         return self._take_all(ordered, take, renewal)
@@ -485,7 +491,7 @@ class Locker:
 
         def take(name: str) -> Lease:
             left = max(deadline - time.monotonic(), 0.0)
-            lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, hold, left))
+            lease: Lease = self._measured(name, self._acquire, name, ttl, hold, left)
             return lease
 
         try:
@@ -627,7 +633,7 @@ class Locker:
         ttl = self.ttl if ttl is None else check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(True, on_lost, on_expiring, expiring_margin)
-        lease: Lease = self._measured(name, lambda: self._acquire(name, ttl, 0.0, timeout, label=value))
+        lease: Lease = self._measured(name, self._acquire, name, ttl, 0.0, timeout, label=value)
         lease.start_renewal(on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin)
         return lease
 
@@ -791,7 +797,8 @@ class Locker:
         if given (one statement, by the name's key), exclusive or shared."""
         if name is not None:
             check_name(name)
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         return self._verbs.leases(name)
 
     def is_held(self, name: str) -> bool:
@@ -811,7 +818,8 @@ class Locker:
         """
         if not self.backend.caps.fair_queue:
             return {}
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         return self._verbs.waiters()
 
     def force_release(self, lease: LeaseInfo) -> bool:
@@ -825,7 +833,8 @@ class Locker:
         if not isinstance(lease, LeaseInfo):
             raise TypeError(f"force_release takes a LeaseInfo from leases(), not {type(lease).__name__}")
         check_name(lease.name)
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         key = {"name": lease.name, "owner": lease.owner, "token": lease.token}
         ended = (self._verbs.end(key, self._deadline(), shared=lease.shared)).ended
         if ended:
@@ -841,7 +850,8 @@ class Locker:
         larger than every earlier one, pruned or not.
         """
         age = check_ttl(older_than, "older_than")
-        self._ensure_schema()
+        if not self._ready:
+            self._ensure_schema()
         return self._verbs.prune(age)
 
     def open_connections(self) -> int:
@@ -865,6 +875,7 @@ class Locker:
         if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
             self.engine.dispose()
         self._closed = True
+        self._ready = False
 
     def __enter__(self) -> Locker:
         return self

@@ -64,10 +64,11 @@ def check_text(value: object, what: str, limit: int = MAX_NAME_LENGTH) -> str:
         raise ValueError(f"{what} is {len(value)} characters long; the limit is {limit}")
     if "\x00" in value:
         raise ValueError(f"{what} must not contain NUL characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid Unicode text: {exc.reason}") from None
+    if not value.isascii():  # ASCII always encodes: no bytes made for the usual name
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{what} is not valid Unicode text: {exc.reason}") from None
     return value
 
 
