@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Awaitable, Callable, TypeVar
@@ -10,10 +11,13 @@ T = TypeVar("T")
 
 
 def rotation(variants: dict[str, T], r: int) -> list[tuple[str, T]]:
-    """Round ``r``'s order. Rotate who goes first: a variant's speed here depends on what ran just
-    before it (whose database process was awake, on which CPU), so no variant always follows the same one."""
+    """Round ``r``'s order: a shuffle, the same for the same ``r`` in every run. A variant's speed
+    here depends on what ran just before it (whose database process was awake, on which CPU), so
+    each variant follows each other one, and the end of the previous round, about equally often.
+    (Rotating one order would not do: it keeps every variant after the same neighbour.)"""
     order = list(variants.items())
-    return order[r % len(order):] + order[: r % len(order)]
+    random.Random(r).shuffle(order)
+    return order
 
 
 async def ainterleaved(variants: dict[str, Callable[[], Awaitable[None]]], rounds: int, calls: int) -> dict[str, float]:
