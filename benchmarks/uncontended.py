@@ -1,7 +1,7 @@
 """Uncontended cost of one acquire + release pair on one thread, against baselines in the same run.
 
     python benchmarks/uncontended.py [--url postgresql://...] [--pairs 500] [--rounds 7] [--block N]
-        [--metrics] [--profile] [--plot PATH.png]
+        [--metrics] [--profile] [--layers] [--plot PATH.png]
 
 With no --url (and no DBLOCK_TEST_URL) it starts a throwaway PostgreSQL with
 pgserver (pip install -e '.[test]'). Rounds interleave the variants so that
@@ -22,6 +22,14 @@ Baselines:
   release (``UPDATE ... WHERE owner AND token``), on a table of its own: no
   global token order, no waiting count, no label, no hand-off. Against it the
   ratio is dblock's code and its richer statements together.
+
+--layers then times dblock's pair by layers, each in a run of its own with
+only the two raw psycopg pairs beside it (the minimal and the hand-written):
+what a pair costs here depends on the code that ran between its calls,
+because on a cold cache each distinct function dblock runs costs far more than
+its CPU in a hot loop. The layers: dblock's two statements through its pool
+and watchdog alone (``Driver.run`` twice), then that and a ``Lease`` built
+from the grant and released through it, then dblock's whole pair.
 
 --metrics adds dblock's pair with dblock.metrics recording into
 OpenTelemetry's SDK (an in-memory reader), to weigh what recording costs
@@ -74,6 +82,10 @@ def main() -> None:
     )
     ap.add_argument("--metrics", action="store_true", help="add the pair with metrics recording (opentelemetry-sdk)")
     ap.add_argument("--profile", action="store_true", help="then profile dblock's pair: where its time goes")
+    ap.add_argument(
+        "--layers", action="store_true",
+        help="then time dblock's pair by layers (its driver alone, with a Lease, all of it), each in a run of its own",
+    )
     ap.add_argument("--plot", metavar="PATH.png", help="write the table as a bar chart (needs dblock[plots])")
     args = ap.parse_args()
     if args.plot:
@@ -171,6 +183,8 @@ RETURNING token"""
         print(f"{name:45} {med:9.1f} {med / base:15.2f}x {med / least:10.2f}x")
     if args.profile:
         profile(locker, dblock_pair, args.pairs * args.rounds, medians)
+    if args.layers:
+        layers(locker, label, {"minimal": minimal, "hand-written": hand_written}, rounds, block)
     if args.plot:
         import _plot
 
@@ -245,6 +259,46 @@ def profile(locker: Locker, pair: Callable[[], None], pairs: int, medians: dict[
     print(f"dblock's own code, the replies canned: {cpu:.1f} us of CPU per pair ({cpu / ours:.1%} of dblock's pair above)")
     aio = canned_async(locker, pairs)
     print(f"the same on the asyncio face (AsyncLocker, one task): {aio:.1f} us of CPU per pair ({aio / cpu:.2f}x the sync face's)")
+
+
+def layers(
+    locker: Locker, label: str, raw: dict[str, Callable[[], None]], rounds: int, block: int
+) -> None:
+    """dblock's pair by layers, each timed in a run of its own beside only the raw pairs ``raw``
+    (so that no other dblock variant warms its code), as a ratio to the hand-written pair."""
+    from dblock._lease import Lease
+    from dblock._process import new_owner
+
+    sql, driver = locker.backend.sql, locker._verbs.driver
+
+    def grant(name: str) -> tuple[str, int, object, float]:
+        owner = new_owner()
+        sent_at = time.monotonic()
+        params = {"name": name, "owner": owner, "ttl": 30.0, "label": label}
+        rows = driver.run(sql.acquire, params, sql.holder, deadline=sent_at + 5).rows
+        return owner, rows[0][1], rows[0][2], sent_at
+
+    def statements() -> None:
+        owner, token, _, _ = grant("layer-driver")
+        driver.run(sql.release, {"name": "layer-driver", "owner": owner, "token": token}, deadline=time.monotonic() + 5)
+
+    def with_lease() -> None:
+        owner, token, expires_at, sent_at = grant("layer-lease")
+        Lease(locker, "layer-lease", owner, token, expires_at, 30.0, sent_at).release()
+
+    def whole() -> None:
+        locker.try_acquire("layer-dblock", ttl=30).release()
+
+    print("dblock's pair by layers, each in a run of its own beside the raw pairs (us per pair):")
+    print(f"  {'layer':55} {'us/pair':>9} {'vs hand-written':>16} {'vs minimal':>11}")
+    for title, variant in (
+        ("its two statements through its pool (Driver.run x 2)", statements),
+        ("... and a Lease built from the grant, released through it", with_lease),
+        ("dblock's pair (try_acquire + release)", whole),
+    ):
+        medians = interleaved({**raw, title: variant}, rounds, block)
+        us = medians[title]
+        print(f"  {title:55} {us:9.1f} {us / medians['hand-written']:15.2f}x {us / medians['minimal']:10.2f}x")
 
 
 def canned_async(locker: Locker, pairs: int) -> float:

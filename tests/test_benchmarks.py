@@ -20,7 +20,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.parametrize(
     "script, sizes",
     [
-        ("uncontended.py", ["--rounds", "1", "--pairs", "3", "--profile"]),
+        ("uncontended.py", ["--rounds", "1", "--pairs", "3", "--profile", "--layers"]),
         ("fenced_write.py", ["--rounds", "1", "--writes", "3"]),
         ("contended.py", ["--processes", "2", "--threads", "2", "--attempts", "4", "--rounds", "1",
                           "--variants", "dblock;pg_advisory"]),
