@@ -53,7 +53,7 @@ class Try:
     lease, an int a semaphore's.
     """
 
-    __slots__ = ("owner", "hold", "limit", "sent", "unsure", "label")
+    __slots__ = ("owner", "hold", "limit", "shared", "sent", "unsure", "label")
 
     def __init__(
         self, owner: str, hold: float = 0.0, limit: int | None | bool = False, label: str | None = None
@@ -62,6 +62,7 @@ class Try:
         self.label = label  # written with the grant (an election's value); None: the Locker's
         self.hold = hold  # the min_hold of the lease it gets
         self.limit = limit
+        self.shared = core.shared_kind(limit)  # a shared lease's (reader, semaphore), not the exclusive lock's
         self.sent = False  # a statement went out: it may have queued us, or granted us the lease
         self.unsure = False  # an attempt went unanswered: it may grant us the lease even later
 
@@ -185,7 +186,7 @@ class AsyncAcquirer:
         )
         if not isinstance(outcome, Grant):
             return None, outcome.wait
-        if core.shared_kind(attempt.limit):
+        if attempt.shared:
             self.shared_hot.mark_full(name, free is not None and free <= 0)
         elif not self.queued:
             self.hot.mark_full(name, True)  # held here: the next in this process's line waits for our release
@@ -198,7 +199,7 @@ class AsyncAcquirer:
 
         Shared waiters (``attempt.limit`` None or an int) have a local line of their own.
         """
-        shared = core.shared_kind(attempt.limit)
+        shared = attempt.shared
         hot = self.shared_hot if shared else self.hot
         me = hot.join(name)
         promoted = not me.is_set()  # others were ahead in this process's line
@@ -340,7 +341,7 @@ class AsyncAcquirer:
                             return granted
                     else:  # no such attempt: we cannot tell when it was granted, so end it (never used)
                         key = {"name": name, "owner": owner, "token": handed.token}
-                        await verbs.end(key, verbs.bound(deadline), shared=core.shared_kind(attempt.limit))
+                        await verbs.end(key, verbs.bound(deadline), shared=attempt.shared)
                 except DatabaseUnavailable as exc:
                     self.abandon(name, owner, ttl, attempt.limit)  # ours, unconfirmed: ended in the background
                     attempt.sent = False
@@ -369,7 +370,7 @@ class AsyncAcquirer:
         trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
         expires_at, sent_at = handed.expires_at, trusted - ttl  # the lease trusts sent_at + ttl
         if core.needs_refresh(trusted, now, ttl):
-            shared = core.shared_kind(attempt.limit)
+            shared = attempt.shared
             done = await self.verbs.extend(name, attempt.owner, handed.token, ttl, self.verbs.bound(deadline), shared)
             if done is None:
                 return None

@@ -73,7 +73,8 @@ class Lease(LeaseView):
         self.owner = owner
         self.token = token
         self._min_hold = min_hold
-        hold = metrics.recorder.hold(locker.backend.name, name)
+        recorder = metrics.recorder
+        hold = metrics.UNHELD if recorder is metrics.OFF else recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, Event)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
 

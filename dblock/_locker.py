@@ -286,13 +286,16 @@ class Locker:
     def _measured(self, name: str, acquire: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``acquire(*args, **kwargs)``, its wait (and what it came to) recorded by ``dblock.metrics``
         (the arguments passed on, not a lambda: the hot path makes no closure)."""
+        recorder = metrics.recorder
+        if recorder is metrics.OFF:
+            return acquire(*args, **kwargs)  # metrics off: not even a call that records nothing
         started = time.monotonic()
         try:
             lease = acquire(*args, **kwargs)
         except BaseException as exc:
-            metrics.recorder.waited(self.backend.name, name, started, exc)
+            recorder.waited(self.backend.name, name, started, exc)
             raise
-        metrics.recorder.waited(self.backend.name, name, started, lease)
+        recorder.waited(self.backend.name, name, started, lease)
         return lease
 
     def _acquire(
@@ -363,7 +366,7 @@ class Locker:
         return lease
 
     def _lease(self, name: str, attempt: Try, ttl: float, granted: Granted, *, keyed: bool = False) -> Lease:
-        shared = core.shared_kind(attempt.limit)
+        shared = attempt.shared
         kind = UpgradeableLease if attempt.limit is core.UPGRADEABLE else Lease
         lease = kind(
             self, name, attempt.owner, granted.token, granted.expires_at, ttl, granted.sent_at, attempt.hold,

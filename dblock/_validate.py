@@ -54,7 +54,7 @@ def _number(value: object, what: str) -> float:
     return number
 
 
-def check_text(value: object, what: str, limit: int = MAX_NAME_LENGTH) -> str:
+def check_text(value: object, what: str = "lock name", limit: int = MAX_NAME_LENGTH) -> str:
     """A str of 1 to ``limit`` characters, no NUL, valid Unicode (lock names, labels, resources)."""
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, not {type(value).__name__}")
@@ -72,8 +72,7 @@ def check_text(value: object, what: str, limit: int = MAX_NAME_LENGTH) -> str:
     return value
 
 
-def check_name(name: object) -> str:
-    return check_text(name, "lock name")
+check_name = check_text  # a lock name: its defaults (one call on every acquire, not two)
 
 
 def check_names(names: object) -> list[str]:
@@ -101,6 +100,9 @@ def check_owner(owner: object) -> str | None:
 
 def check_ttl(ttl: object, what: str = "ttl") -> float:
     """A span of seconds a lease lasts (or, ``what``, another span checked alike: ``older_than``)."""
+    kind = type(ttl)
+    if (kind is float or kind is int) and MIN_TTL <= ttl <= MAX_TTL:  # type: ignore[operator]
+        return float(ttl)  # type: ignore[arg-type]  # the usual ttl, with no further call (NaN fails the range)
     number = _number(ttl, what)
     if not MIN_TTL <= number <= MAX_TTL:
         raise ValueError(

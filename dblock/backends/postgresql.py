@@ -114,7 +114,7 @@ class PostgreSQL(Backend):
         granted, token, expires_at, wait = rows[0]
         if not granted:
             return Miss(wait)
-        return Grant(token, core.when(expires_at))
+        return Grant(token, expires_at)  # psycopg reads a timestamptz as an aware datetime: nothing to convert
 
     @staticmethod
     def share_acquired(rows: Rows, holder: Rows) -> tuple[Grant | Miss, int | None]:
