@@ -215,7 +215,7 @@ class AsyncListener:
             failed: Exception | None = None
             whole = False  # read to the end of a batch, not interrupted mid-read
             try:
-                while not slot.event.is_set():
+                while slot.grant is None and not slot.event.is_set():
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -340,7 +340,8 @@ class AsyncListener:
             if slot is None:
                 return  # a hand-off to another process, or to a waiter that already polled it
             slot.grant = (token, expiry)
-            slot.event.set()
+            if slot is not self._reader:  # threads: the reader sees its own grant once its read returns
+                slot.event.set()
 
     async def close(self) -> None:
         """End the listener session now: no waiting for its next look-up."""

@@ -204,7 +204,7 @@ class Listener:
         failed: Exception | None = None
         whole = False  # read to the end of a batch, not interrupted mid-read
         try:
-            while not slot.event.is_set():
+            while slot.grant is None and not slot.event.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -304,7 +304,8 @@ class Listener:
             if slot is None:
                 return  # a hand-off to another process, or to a waiter that already polled it
             slot.grant = (token, expiry)
-            slot.event.set()
+            if slot is not self._reader:  # threads: the reader sees its own grant once its read returns
+                slot.event.set()
 
     def close(self) -> None:
         """End the listener session now: no waiting for its next look-up."""
