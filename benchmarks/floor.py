@@ -1,7 +1,7 @@
 """The floor of a durable hand-over: pg_advisory_lock against the least a fenced, durable hand-over does.
 
     python benchmarks/floor.py [--url postgresql://...] [--handovers 300] [--rounds 3] [--hold 0.002]
-        [--processes] [--plot PATH.png]
+        [--processes] [--parts] [--plot PATH.png]
 
 Two threads take turns on one lock: the holder holds ``--hold`` s and lets
 go while the other waits, ``--handovers`` times per round, in ``--rounds``
@@ -31,6 +31,15 @@ by a hand-over also waits for the Python the releasing thread runs next
   could have its token drawn again after recovery).
 - ``dblock``: two Lockers, fair waiting with NOTIFY (the default), and the
   same with ``synchronous_commit = off``.
+
+--parts then splits the hand-over of the least durable variants and of
+dblock's: the release statement alone (its round trip, server work and
+flush; for dblock, the statement inside its release call), when the waiter
+read its notification after the release call returned, and the waiter's own
+code from that moment until its acquire returned (the least durable
+hand-over's waiter holds once it has read the notification). dblock's
+listener and driver are timed from the outside (a wrapper on each), which
+adds a little to dblock's figures of that run.
 
 Columns: release (the holder's call, client side) and hand-over (the
 holder calls release -> the other thread's acquire returns, one clock),
@@ -78,6 +87,41 @@ TABLE = "floor_" + secrets.token_hex(4)  # this run's tables: TABLE (the least h
 Sample = tuple[list[float], list[float]]  # release call times, hand-over times (seconds)
 
 
+class Parts:
+    """One side's record of the parts of its hand-overs (--parts): the variant's code notes the
+    release statement's time and the moment its waiter read the notification."""
+
+    def __init__(self) -> None:
+        self.statement: list[float] = []  # the release statement alone (seconds)
+        self.woke: float | None = None  # when this side, waiting, read its notification (perf_counter)
+        self.takes: list[tuple[float, float]] = []  # (notification read, acquire returned)
+        self.gives: list[tuple[float, float]] = []  # (release call began, returned)
+
+
+_probe = threading.local()  # .parts: the Parts of the side running in this thread, or None
+
+
+def _noting() -> Parts | None:
+    return getattr(_probe, "parts", None)
+
+
+def _parts(sides: list[Parts]) -> tuple[list[float], list[float], list[float]]:
+    """The release statements of both sides; and per hand-over, when the waiter read its
+    notification after the release call returned, and the waiter's code from then until its
+    acquire returned (seconds). A take's release is the other side's last one that began
+    before the notification was read."""
+    seen: list[float] = []
+    after: list[float] = []
+    for i in (0, 1):
+        gives = sides[1 - i].gives
+        for woke, acquired in sides[i].takes:
+            began = [ended for start, ended in gives if start < woke]
+            if began:
+                seen.append(woke - began[-1])
+                after.append(acquired - woke)
+    return [x for side in sides for x in side.statement], seen, after
+
+
 def _url(url: str, driver: str, off: bool = False) -> str:
     """``url`` for ``driver`` ("postgresql": libpq's, for psycopg; "postgresql+psycopg": SQLAlchemy's,
     for a Locker). ``off``: synchronous_commit off for its sessions (a Locker's URL only: SQLAlchemy
@@ -106,40 +150,58 @@ class Variant:
         self.side, self.setup, self.first = side, setup, first
 
 
-def _side_turns(variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any) -> Sample:
-    """Side ``i``'s turns: take (timing the hand-over from the other side's give), hold, give."""
+def _side_turns(
+    variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any, parts: Parts | None = None
+) -> Sample:
+    """Side ``i``'s turns: take (timing the hand-over from the other side's give), hold, give;
+    ``parts`` (--parts) notes what the turns consist of."""
     released: list[float] = []
     handed: list[float] = []
+    _probe.parts = parts
     take, give, close = variant.side(i)
     try:
         turns = (handovers + 1 - i) // 2  # side 0 gives at turns 0, 2, 4...; side 1 at 1, 3, 5...
         if i == 0 and variant.first:
             take()
         ready.wait()
+        if parts is not None:
+            parts.statement.clear()  # from the turns only
+            parts.woke = None
         for k in range(turns):
             if i == 1 or k > 0:
                 take()
-                handed.append(time.perf_counter() - gave_at.value)
+                now = time.perf_counter()
+                handed.append(now - gave_at.value)
+                if parts is not None and parts.woke is not None:
+                    parts.takes.append((parts.woke, now))
+                    parts.woke = None
             time.sleep(hold)
             gave_at.value = began = time.perf_counter()
             give()
-            released.append(time.perf_counter() - began)
+            ended = time.perf_counter()
+            released.append(ended - began)
+            if parts is not None:
+                parts.gives.append((began, ended))
     except BaseException:
         ready.abort()  # the other side must not wait for this one
         raise
     finally:
+        _probe.parts = None
         close()
     return released, handed
 
 
-def _turns(variant: Variant, handovers: int, hold: float, processes: bool = False) -> Sample:
+def _turns(
+    variant: Variant, handovers: int, hold: float, processes: bool = False, parts: list[Parts] | None = None
+) -> Sample:
     """Two sides alternate about ``handovers`` times, as threads of this process or as two
     processes. A side that gave waits again at once: the other holds ``hold`` s first, so every
     hand-over wakes a waiter already in line, not a fresh call. (perf_counter is the system's
-    monotonic clock, one for every process of the machine.)"""
+    monotonic clock, one for every process of the machine.) ``parts``: one per side, to note
+    what the turns consist of (--parts)."""
     variant.setup()
     if processes:
-        return _in_processes(variant, handovers, hold)
+        return _in_processes(variant, handovers, hold, parts)
     gave_at = _Box()
     ready = threading.Barrier(2)
     results: list[Sample | None] = [None, None]
@@ -147,7 +209,7 @@ def _turns(variant: Variant, handovers: int, hold: float, processes: bool = Fals
 
     def run(i: int) -> None:
         try:
-            results[i] = _side_turns(variant, i, handovers, hold, gave_at, ready)
+            results[i] = _side_turns(variant, i, handovers, hold, gave_at, ready, None if parts is None else parts[i])
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 
@@ -171,14 +233,16 @@ def _merge(results: list[Sample | None]) -> Sample:
     return released, handed
 
 
-def _process_side(variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any, out: Any) -> None:
+def _process_side(
+    variant: Variant, i: int, handovers: int, hold: float, gave_at: Any, ready: Any, out: Any, parts: Parts | None
+) -> None:
     try:
-        out.put((i, _side_turns(variant, i, handovers, hold, gave_at, ready), None))
+        out.put((i, _side_turns(variant, i, handovers, hold, gave_at, ready, parts), parts, None))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
-        out.put((i, None, f"{type(exc).__name__}: {exc}"))
+        out.put((i, None, None, f"{type(exc).__name__}: {exc}"))
 
 
-def _in_processes(variant: Variant, handovers: int, hold: float) -> Sample:
+def _in_processes(variant: Variant, handovers: int, hold: float, parts: list[Parts] | None = None) -> Sample:
     import multiprocessing
 
     context = multiprocessing.get_context("fork")  # the sides build their connections after the fork
@@ -186,15 +250,21 @@ def _in_processes(variant: Variant, handovers: int, hold: float) -> Sample:
     ready = context.Barrier(2)
     out = context.Queue()
     procs = [
-        context.Process(target=_process_side, args=(variant, i, handovers, hold, gave_at, ready, out)) for i in (0, 1)
+        context.Process(
+            target=_process_side,
+            args=(variant, i, handovers, hold, gave_at, ready, out, None if parts is None else parts[i]),
+        )
+        for i in (0, 1)
     ]
     for p in procs:
         p.start()
     results: list[Sample | None] = [None, None]
     failures = []
     for _ in procs:
-        i, sample, failure = out.get(timeout=120)
+        i, sample, noted, failure = out.get(timeout=120)
         results[i] = sample
+        if parts is not None and noted is not None:
+            parts[i] = noted  # what the forked side noted, back in this process
         if failure:
             failures.append(f"side {i}: {failure}")
     for p in procs:
@@ -258,11 +328,18 @@ def least(url: str, off: bool = False) -> Variant:
 
         def take() -> None:
             for _ in listener.notifies(timeout=10, stop_after=1):
+                parts = _noting()
+                if parts is not None:
+                    parts.woke = time.perf_counter()  # it holds from here
                 return
             raise TimeoutError("no hand-over notification in 10 s")
 
         def give() -> None:
+            began = time.perf_counter()
             row = conn.execute(handover, {"me": str(i), "to": str(1 - i)}, prepare=True).fetchone()
+            parts = _noting()
+            if parts is not None:
+                parts.statement.append(time.perf_counter() - began)
             if row is None:
                 raise AssertionError("the hand-over statement found the row with another owner")
 
@@ -300,7 +377,36 @@ def dblock(url: str, off: bool = False) -> Variant:
     return Variant(side, setup)
 
 
+def _time_dblock() -> None:
+    """For --parts: note dblock's release statement (its driver's execute) and the moment its
+    waiter reads a hand-off notification (its listener's dispatch), in the side's Parts."""
+    from dblock import _driver, _wait
+
+    execute, dispatch = _driver.Driver._execute, _wait.Listener._dispatch
+
+    def timed_execute(driver: Any, conn: Any, sql: str, params: Any) -> Any:
+        parts = _noting()
+        if parts is None or sql != driver.backend.sql.release:
+            return execute(driver, conn, sql, params)
+        began = time.perf_counter()
+        try:
+            return execute(driver, conn, sql, params)
+        finally:
+            parts.statement.append(time.perf_counter() - began)
+
+    def noted_dispatch(listener: Any, payload: str) -> None:
+        parts = _noting()
+        if parts is not None:
+            parts.woke = time.perf_counter()
+        dispatch(listener, payload)
+
+    _driver.Driver._execute = timed_execute  # type: ignore[method-assign,assignment]
+    _wait.Listener._dispatch = noted_dispatch  # type: ignore[method-assign,assignment]
+
+
 def _p(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")  # (--parts in a tiny run: no hand-over was woken by its notification)
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] * 1000
 
@@ -314,6 +420,10 @@ def main() -> None:
     parser.add_argument(
         "--processes", action="store_true",
         help="the two sides in two processes (as a distributed lock's holders mostly are), not two threads of one",
+    )
+    parser.add_argument(
+        "--parts", action="store_true",
+        help="then split the least durable and dblock's hand-overs into their parts (release statement, wake, waiter's code)",
     )
     parser.add_argument("--plot", metavar="PATH.png", help="draw hand-over p50 and p99 per variant (needs dblock[plots])")
     args = parser.parse_args()
@@ -342,12 +452,22 @@ def main() -> None:
         }
         sides = "two processes" if args.processes else "two threads"
         samples: dict[str, Sample] = {name: ([], []) for name in variants}
+        # --parts: per variant split, its release statements, its waiters' wake-ups, their code after it
+        split: dict[str, tuple[list[float], list[float], list[float]]] = (
+            {name: ([], [], []) for name in (LEAST, LEAST_OFF, DBLOCK, DBLOCK_OFF)} if args.parts else {}
+        )
+        if args.parts:
+            _time_dblock()
         started = time.monotonic()
         for r in range(args.rounds):
             for name, variant in rotation(variants, r):
-                released, handed = _turns(variant, args.handovers, args.hold, args.processes)
+                noted = [Parts(), Parts()] if name in split else None
+                released, handed = _turns(variant, args.handovers, args.hold, args.processes, noted)
                 samples[name][0].extend(released)
                 samples[name][1].extend(handed)
+                if noted is not None:
+                    for into, part in zip(split[name], _parts(noted)):
+                        into.extend(part)
                 print(f"[{time.monotonic() - started:5.0f} s] round {r + 1}: {name}", file=sys.stderr)
         base = _p(samples[ADVISORY][1], 50)
         print(
@@ -361,6 +481,15 @@ def main() -> None:
                 f"{name:42} {_p(released, 50):11.3f} {_p(handed, 50):13.3f} {_p(handed, 99):7.2f} "
                 f"{_p(handed, 50) / base:10.2f}x"
             )
+        if split:
+            print("the hand-over by parts (medians, ms): the release call, the statement in it, the waiter reading its")
+            print("notification after the call returned, and the waiter's code from then until its acquire returned")
+            print(f"{'variant':42} {'release':>8} {'statement':>9} {'read after':>10} {'code after':>10} {'hand-over':>9}")
+            for name, (statement, seen, after) in split.items():
+                print(
+                    f"{name:42} {_p(samples[name][0], 50):8.3f} {_p(statement, 50):9.3f} {_p(seen, 50):10.3f} "
+                    f"{_p(after, 50):10.3f} {_p(samples[name][1], 50):9.3f}"
+                )
         least_ratio = _p(samples[LEAST][1], 50) / base
         flush = _p(samples[LEAST][1], 50) - _p(samples[LEAST_OFF][1], 50)
         ours = _p(samples[DBLOCK][1], 50)

@@ -29,7 +29,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
         ("many_lockers.py", ["--processes", "2", "--leases", "3", "--seconds", "1", "--ttl", "0.9"]),
         ("queue_ops.py", ["--sizes", "3,30", "--rounds", "1", "--calls", "3", "--listeners", "2"]),
         ("floor.py", ["--handovers", "6", "--rounds", "1"]),
-        ("floor.py", ["--handovers", "6", "--rounds", "1", "--processes"]),
+        ("floor.py", ["--handovers", "6", "--rounds", "1", "--processes", "--parts"]),
         ("aio.py", ["--rounds", "1", "--pairs", "3", "--tasks", "3", "--seconds", "0.3"]),
         ("shared.py", ["--processes", "2", "--threads", "2", "--seconds", "0.3", "--rounds", "1", "--sem-processes", "2",
                        "--sem-threads", "3", "--limit", "2", "--attempts", "3"]),
