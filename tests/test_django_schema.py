@@ -148,7 +148,7 @@ def test_django_migrate_makes_the_schema_alembic_makes(
     made = by_alembic.snapshot()
     assert made == by_django.snapshot()
     # ...and that schema is dblock's whole schema, not two empty ones.
-    assert made["versions"] == [("dblock_0012",)]
+    assert made["versions"] == [("dblock_0013",)]
     names = {row[1] for row in made["objects"]} if backend == "sqlite" else {row[0] for row in made["relations"]}
     expected = {"locks", "fences", "alembic_version_dblock", "locks_holders"}
     if backend == "postgresql":

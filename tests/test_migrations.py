@@ -127,7 +127,7 @@ def test_0003_adds_the_label_to_a_table_with_leases_in_it(db: Db) -> None:
     )
     locker.create_schema()
     ((version,),) = db.query(f"SELECT version_num FROM {version_table_name(db.table)}")
-    assert version == "dblock_0012"
+    assert version == "dblock_0013"
     (old,) = locker.leases()
     assert (old.name, old.owner, old.token, old.label) == ("old", "o1", 5, None)
     lease = locker.try_acquire("new")
@@ -432,6 +432,6 @@ def test_0010_keeps_working_for_the_code_before_it_and_asks_the_code_after_it_to
         assert lease is not None
         lease.release()
     fresh.close()
-    assert locker.create_schema().after == "dblock_0012"
+    assert locker.create_schema().after == "dblock_0013"
     assert locker.readers("r").try_acquire(ttl=30) is not None
     locker.close()

@@ -482,7 +482,7 @@ def test_0012_keeps_the_release_of_an_earlier_dblock_working_and_asks_this_one_t
     with pytest.raises(SchemaMissing, match="older dblock"):
         fresh.try_acquire("new", ttl=30)
     fresh.close()
-    assert holder.create_schema().after == "dblock_0012"
+    assert holder.create_schema().after == "dblock_0013"
     assert holder.try_acquire("new", ttl=30) is not None
     holder.close()
 
