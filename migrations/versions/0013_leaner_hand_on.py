@@ -44,7 +44,8 @@ depends_on = None
 def upgrade() -> None:
     if backend().caps.fair_queue:  # SQLite and MariaDB have no line of waiters in the database
         table, schema = target()
-        op.execute(_hand_on(table, schema))
+        for sql in _functions(table, schema):
+            op.execute(sql)
 
 
 def downgrade() -> None:
@@ -53,7 +54,7 @@ def downgrade() -> None:
         op.execute(context.script.get_revision("dblock_0012").module._functions(table, schema)[1])  # hand_on
 
 
-def _hand_on(table: str, schema: str | None) -> str:
+def _functions(table: str, schema: str | None) -> list[str]:
     quote = op.get_context().dialect.identifier_preparer.quote
     prefix = quote(schema) + "." if schema else ""
     t = prefix + quote(table)
@@ -71,7 +72,7 @@ def _hand_on(table: str, schema: str | None) -> str:
     # the head of the line is a live writer: out of the line, and granted with a token drawn
     # after the row lock (G2) and an expiry from clock_timestamp(), after the waiter's last
     # look was sent (G5). Any other line (or none) is admit's to walk.
-    return f"""
+    return [f"""
 CREATE OR REPLACE FUNCTION {hand_on}(p_name text)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
@@ -95,4 +96,4 @@ BEGIN
         RETURN true;
     END IF;
     RETURN {admit}(p_name, 0, NULL, true) > 0;
-END $$"""
+END $$"""]
