@@ -293,9 +293,7 @@ class Acquirer:
                     if slot.grant is not None:
                         token, expiry = slot.grant
                         try:
-                            granted = self._handed(
-                                name, attempt, ttl, Grant(token, core.when(expiry)), queued_at, deadline
-                            )
+                            granted = self._handed(name, attempt, ttl, Grant(token, expiry), queued_at, deadline)
                         except DatabaseUnavailable as exc:
                             # The lease is ours but could not be renewed for use: the next
                             # attempt (same owner, G6) takes it up again, or the wait's end
@@ -357,8 +355,9 @@ class Acquirer:
         """
         sent, at = queued_at
         now = time.monotonic()
-        trusted = core.handed_trust(sent, at, handed.expires_at.timestamp(), now, ttl)
-        expires_at, sent_at = handed.expires_at, trusted - ttl  # the lease trusts sent_at + ttl
+        expires_at = handed.expires_at  # from a notification: Unix seconds, made a datetime if read (core.Expiry)
+        trusted = core.handed_trust(sent, at, expires_at if isinstance(expires_at, float) else expires_at.timestamp(), now, ttl)
+        sent_at = trusted - ttl  # the lease trusts sent_at + ttl
         if core.needs_refresh(trusted, now, ttl):
             shared = attempt.shared
             done = self.verbs.extend(name, attempt.owner, handed.token, ttl, self.verbs.bound(deadline), shared)

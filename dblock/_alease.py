@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 
 from . import _core as core
 from . import metrics
 from ._acompat import AEvent, asleep
-from ._core import Grant, trusted_until
+from ._core import Expiry, Grant, trusted_until
 from ._lease_state import LeaseState, LeaseView
 from ._validate import check_callbacks, check_timeout, check_ttl
 from .errors import DBLockError, LeaseLost, LockNotAcquired
@@ -59,7 +58,7 @@ class AsyncLease(LeaseView):
         name: str,
         owner: str,
         token: int,
-        expires_at: datetime,
+        expires_at: Expiry,
         ttl: float,
         sent_at: float,
         min_hold: float = 0.0,

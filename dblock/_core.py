@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, Sequence, TypeVar
+from typing import Any, NamedTuple, Sequence, TypeVar, Union
 
 # A waiting acquire's last statements (the attempt in flight at its deadline,
 # leaving the queue) may run this much past it before they are cut off.
@@ -39,12 +39,18 @@ Rows = Sequence[Sequence[Any]]
 E = TypeVar("E", bound=BaseException)
 
 
+# A database expiry: a timezone-aware datetime, or Unix seconds where that is what came (a
+# hand-off's notification), made a datetime only if someone reads it (``when``): a waiter's
+# hand-over does not pay for a datetime nobody may ask for.
+Expiry = Union[datetime, float]
+
+
 # -- rows into outcomes ---------------------------------------------------------
 class Grant(NamedTuple):
     """The database granted (or handed) the lease: its token and database expiry."""
 
     token: int
-    expires_at: datetime
+    expires_at: Expiry
 
 
 class Miss(NamedTuple):
@@ -298,7 +304,7 @@ class Granted(NamedTuple):
     from which the client trusts it for its ttl (G5)."""
 
     token: int
-    expires_at: datetime
+    expires_at: Expiry
     sent_at: float
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 
 from . import _core as core
 from . import metrics
 from ._acompat import Event, sleep
-from ._core import Grant, trusted_until
+from ._core import Expiry, Grant, trusted_until
 from ._lease_state import LeaseState, LeaseView
 from ._validate import check_callbacks, check_timeout, check_ttl
 from .errors import DBLockError, LeaseLost, LockNotAcquired
@@ -61,7 +60,7 @@ class Lease(LeaseView):
         name: str,
         owner: str,
         token: int,
-        expires_at: datetime,
+        expires_at: Expiry,
         ttl: float,
         sent_at: float,
         min_hold: float = 0.0,

@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 from . import metrics
 from . import _process as process
-from ._core import trusted_until
+from ._core import Expiry, trusted_until, when
 from .errors import LeaseLost
 
 
@@ -45,17 +45,17 @@ class LeaseState:
     Lease. Only the Lease and its renewal change it.
     """
 
-    __slots__ = ("expires_at", "ttl", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid")
+    __slots__ = ("_expires_at", "ttl", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid")
 
     def __init__(
         self,
-        expires_at: datetime,
+        expires_at: Expiry,
         ttl: float,
         trusted_until: float,
         hold: metrics.Hold,
         event: Callable[[], Any] = threading.Event,
     ) -> None:
-        self.expires_at = expires_at  # database time, timezone-aware
+        self._expires_at = expires_at  # database time: a datetime, or Unix seconds until first read
         self.ttl = ttl
         # G5: trusted until (when the acquire was *sent*) + ttl on this
         # process's monotonic clock, never past the database's expiry.
@@ -98,9 +98,18 @@ class LeaseState:
         self.lost.set()
         self.hold.end(lost=True)
 
-    def extended(self, expires_at: datetime, ttl: float, sent_at: float) -> None:
+    @property
+    def expires_at(self) -> datetime:
+        """The database expiry, timezone-aware (made from Unix seconds on first read)."""
+        value = self._expires_at
+        if isinstance(value, datetime):
+            return value
+        value = self._expires_at = when(value)
+        return value
+
+    def extended(self, expires_at: Expiry, ttl: float, sent_at: float) -> None:
         """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
-        self.expires_at = expires_at
+        self._expires_at = expires_at
         self.ttl = ttl
         self.trusted_until = trusted_until(sent_at, ttl)
 

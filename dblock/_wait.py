@@ -193,6 +193,8 @@ class Listener:
                 slot.dozing = not lead
             if lead:
                 self._read(conn, slot, deadline)
+                if slot.grant is not None:
+                    return  # ours, read by this thread (which handed reading on as it left)
             else:
                 event_wait(slot.event, deadline - time.monotonic())
                 with self._lock:

@@ -115,7 +115,11 @@ def test_release_hands_the_lease_to_the_queued_waiter_and_wakes_it(pg: Db, proxy
         # the waiter sent its one enqueue and nothing after.
         assert proxy.round_trips == 1
         assert lease.token > held.token
-        assert pg.query(f"SELECT owner, token FROM {pg.table} WHERE name = 'n'") == [(lease.owner, lease.token)]
+        [(owner, token, expires_at)] = pg.query(f"SELECT owner, token, expires_at FROM {pg.table} WHERE name = 'n'")
+        assert (owner, token) == (lease.owner, lease.token)
+        # Its expiry, sent in the notification, reads as the row's (timezone-aware, to the microsecond).
+        assert lease.expires_at.tzinfo is not None
+        assert abs((lease.expires_at - expires_at).total_seconds()) <= 1e-6
         assert queue(pg, "n") == []
         assert 0 < lease.remaining() <= lease.ttl
         assert lease.release() is True
