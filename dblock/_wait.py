@@ -236,14 +236,15 @@ class Listener:
         """Under the lock: while nobody reads, wake a sleeping waiter to read."""
         if self._reader is not None or self._conn is None or self._stop:
             return
-        slots = self._slots.values()
-        if any(s.nudged for s in slots):
-            return  # one is on its way
-        for s in slots:
-            if s.dozing and not s.event.is_set():
-                s.nudged = True
-                s.event.set()
-                return
+        chosen: Slot | None = None
+        for s in self._slots.values():  # one pass, no generator: a reader leaving runs this on its way out
+            if s.nudged:
+                return  # one is on its way
+            if chosen is None and s.dozing and not s.event.is_set():
+                chosen = s
+        if chosen is not None:
+            chosen.nudged = True
+            chosen.event.set()
 
     def _run(self, conn: Any) -> None:
         self._watch(conn)
