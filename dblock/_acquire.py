@@ -355,8 +355,9 @@ class Acquirer:
         """
         sent, at = queued_at
         now = time.monotonic()
-        expires_at = handed.expires_at  # from a notification: Unix seconds, made a datetime if read (core.Expiry)
-        trusted = core.handed_trust(sent, at, expires_at if isinstance(expires_at, float) else expires_at.timestamp(), now, ttl)
+        expires_at = handed.expires_at  # a notification's Unix seconds (made a datetime if read), or a datetime
+        seconds = expires_at if isinstance(expires_at, float) else expires_at.timestamp()
+        trusted = core.handed_trust(sent, at, seconds, now, ttl)
         sent_at = trusted - ttl  # the lease trusts sent_at + ttl
         if core.needs_refresh(trusted, now, ttl):
             shared = attempt.shared
