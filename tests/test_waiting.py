@@ -487,6 +487,44 @@ def test_0012_keeps_the_release_of_an_earlier_dblock_working_and_asks_this_one_t
     holder.close()
 
 
+def test_0013_changes_how_hand_on_finds_the_head_not_whom_it_hands_to(pg: Db) -> None:
+    """Migration 0013 gives hand_on a shorter body (the head found once and deleted by its row
+    address, the notification sent by the grant's UPDATE); its downgrade puts 0012's back. At
+    either revision a release hands the name to the first live writer in line, not to one
+    behind it. dblock's statements are the same at both, so a dblock of either works on both."""
+    from dblock import migrate
+
+    t = pg.table
+    holder = pg.locker()
+
+    def body() -> str:
+        [(source,)] = pg.query("SELECT prosrc FROM pg_proc WHERE proname = %s", (f"{t}_hand_on",))
+        return str(source)
+
+    def hands_on_in_order(name: str) -> None:
+        lease = holder.try_acquire(name, ttl=60)
+        assert lease is not None
+        conn = pg.connect()
+        conn.execute("BEGIN")
+        join_queue_in(conn, pg, name, f"{name}-first", 60)
+        join_queue_in(conn, pg, name, f"{name}-second", 60)
+        conn.execute("COMMIT")
+        conn.close()
+        assert lease.release() is True
+        [(owner, token, waiting)] = pg.query(f"SELECT owner, token, waiting FROM {t} WHERE name = %s", (name,))
+        assert (owner, waiting) == (f"{name}-first", 1) and token > lease.token
+        assert [w["o"] for w in queue(pg, name)] == [f"{name}-second"]
+
+    assert "ctid" in body() and "min(y.seq)" not in body()
+    hands_on_in_order("at0013")
+    migrate.downgrade(holder.engine, t, None, "dblock_0012")
+    assert "ctid" not in body() and "min(y.seq)" in body()
+    hands_on_in_order("at0012")
+    assert holder.create_schema().after == "dblock_0013"
+    assert "ctid" in body()
+    holder.close()
+
+
 def test_a_waiters_listener_is_alive_while_it_holds_its_advisory_lock(pg: Db) -> None:
     """A waiter that names a listener session is live while that session holds the advisory lock
     (LISTENER_LOCK, its pid), whatever the server's list of sessions says (0011: one lookup). A
