@@ -342,3 +342,64 @@ def test_tokens_of_every_size_share_one_prepared_statement(pg: Db, proxy: PgProx
         assert lease.release()
     assert proxy.round_trips == 20 + 1  # one round trip each, and one to prepare the release
     locker.close()
+
+
+# -- statements through libpq ----------------------------------------------------------
+PROBE = """SELECT %(a)s::text AS a, %(b)s::bigint AS b, %(c)s::float8 AS c, '2026-11-29 12:00:00.123456+00'::timestamptz AS at, NULL::float8 AS none,
+    %(b)s > 0 AS yes, %(a)s || '%%' AS pct, 1.5::numeric AS num, ARRAY[%(a)s] AS arr"""
+
+
+def _prepared(conn: psycopg.Connection) -> dict[str, str]:
+    return dict(conn.execute("SELECT name, statement FROM pg_prepared_statements").fetchall())
+
+
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "unprepared"])
+def test_a_statement_through_libpq_reads_as_through_psycopgs_cursor(pg: Db, prepare: bool) -> None:
+    """dblock sends its statements through libpq with psycopg's adaptation, not psycopg's cursor:
+    the same binds give the same rows, of the same types; a key used twice is one bind, and
+    ``%%`` is a percent sign. Prepared, the name is the text's digest and says so on the server."""
+    locker = Locker(pg.url, table=pg.table, prepare=prepare)
+    backend = locker.backend
+    params = {"a": "x", "b": 40_000, "c": 2.5}
+    with backend.connect(time.monotonic() + 5) as raw:  # a connection as dblock opens them, its adapters
+        expected = raw.cursor().execute(PROBE, params).fetchall()
+        session = backend.cursor(raw)
+        got = backend.execute(session, PROBE, params)
+        assert got == expected and [type(v) for v in got[0]] == [type(v) for v in expected[0]]
+        assert got[0][6] == "x%" and got[0][3].tzinfo is not None
+        names = [name for name in _prepared(raw) if name.startswith("dblock_")]
+        if prepare:
+            (name,) = names
+            assert "$1::text" in _prepared(raw)[name] and "$2::bigint" in _prepared(raw)[name]
+            assert backend.execute(session, PROBE, {**params, "b": 1}) != got  # by name again: every int a bigint
+            assert [n for n in _prepared(raw) if n.startswith("dblock_")] == [name]
+            ((sql, types),) = session.prepared
+            other = Locker(pg.url, table=pg.table)
+            assert other.backend._plan(PROBE).name(types) == name.encode()  # another client: the same name
+            assert other.backend._plan(PROBE).name((*types[:-1], 700)) != name.encode()  # other types: another
+            other.close()
+        else:
+            assert names == []
+    locker.close()
+
+
+def test_a_statement_another_client_prepared_under_its_name_runs(pg: Db) -> None:
+    """Behind a transaction pooler a session may hold a statement another client prepared there.
+    Its name is the statement's own (the digest of its text and bind types), so finding it
+    prepared already is no error: the call runs it, the same text."""
+    locker = pg.locker()
+    backend = locker.backend
+    with psycopg.connect(libpq_dsn(pg.url), autocommit=True) as raw:
+        other = backend.cursor(raw)  # "another client": prepares PROBE on this session
+        first = backend.execute(other, PROBE, {"a": "y", "b": 1, "c": 0.5})
+        session = backend.cursor(raw)  # this client's first call on the session
+        assert backend.execute(session, PROBE, {"a": "y", "b": 1, "c": 0.5})[0][:3] == first[0][:3]
+        assert len([n for n in _prepared(raw) if n.startswith("dblock_")]) == 1
+
+
+def test_a_lone_percent_sign_in_a_statement_is_refused_before_it_is_sent(pg: Db) -> None:
+    locker = pg.locker()
+    with psycopg.connect(libpq_dsn(pg.url), autocommit=True) as raw:
+        with pytest.raises(ValueError, match="lone %"):
+            locker.backend.execute(locker.backend.cursor(raw), "SELECT 5 % 2", {})
+        assert _prepared(raw) == {}

@@ -11,12 +11,16 @@ text, as the database runs it, is in ``postgresql.sql`` beside this file.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
+import re
 import time
 from typing import Any, Iterator, Sequence
 
 import psycopg
-from psycopg.adapt import AdaptersMap
+from psycopg import pq
+from psycopg.adapt import AdaptersMap, PyFormat, Transformer
+from psycopg.errors import error_from_result
 from psycopg.pq import ExecStatus
 from psycopg.conninfo import conninfo_attempts, make_conninfo
 from psycopg.types.numeric import Int8Dumper
@@ -77,6 +81,7 @@ class PostgreSQL(Backend):
     def __init__(self, engine: Engine, table: str, schema: str | None, where: str, *, prepare: bool = True) -> None:
         super().__init__(engine, table, schema, where, prepare=prepare)
         self._params = connect_params(engine)
+        self._plans: dict[str, _Plan] = {}  # each statement sent, as libpq takes it
 
     # -- statements ------------------------------------------------------------
     @classmethod
@@ -167,14 +172,37 @@ class PostgreSQL(Backend):
                 failed.append(exc)
         raise connect_failed(self.where, failed, len(attempts))
 
-    def execute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
-        # Prepared once per connection, then one round trip per call
-        # (unless prepare=False: then each call sends its text unnamed).
-        cursor.execute(sql, params, prepare=self.prepare)
-        # Rows only from a statement that returns them (not LOCK TABLE); read from the result's
-        # status, which costs nothing, where cursor.description would build column objects.
-        result = cursor.pgresult
-        return cursor.fetchall() if result is not None and result.status == TUPLES_OK else []
+    # -- statements: through libpq, as psycopg's cursor would send them ------------------
+    # A pooled connection's statements skip psycopg's cursor: what it does per call in
+    # Python (about 50 calls: the query's conversion, its cache of prepared statements, its
+    # result bookkeeping) is done once per statement text here, and each call is psycopg's
+    # own adaptation (its Transformer, the connection's adapters) around one libpq call.
+    # Same binds, same types, same rows; one round trip per call, prepared once per
+    # connection (unless prepare=False: then each call sends its text unnamed).
+    def cursor(self, raw: Any) -> Session:
+        return Session(raw)
+
+    async def acursor(self, raw: Any) -> Session:
+        return Session(raw)
+
+    def execute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        plan = self._plans.get(sql) or self._plan(sql)
+        tx = session.tx
+        values = tx.dump_sequence([params[key] for key in plan.keys], plan.formats)
+        types: tuple[int, ...] = tx.types or ()
+        pgconn = session.pgconn
+        if not self.prepare:
+            return session.rows(pgconn.exec_params(plan.text, values, types, tx.formats, BINARY))
+        name = session.prepared.get((sql, types))
+        if name is None:
+            name = plan.name(types)
+            session.check(pgconn.prepare(name, plan.text, types))
+            session.prepared[(sql, types)] = name
+        return session.rows(pgconn.exec_prepared(name, values, tx.formats, BINARY))
+
+    def _plan(self, sql: str) -> _Plan:
+        plan = self._plans[sql] = _Plan(sql)
+        return plan
 
     async def aconnect(self, deadline: float) -> Any:
         failed: list[psycopg.Error] = []
@@ -196,10 +224,23 @@ class PostgreSQL(Backend):
                 failed.append(psycopg.OperationalError(f"no answer within {share:.3g} s (connect)"))
         raise connect_failed(self.where, failed, len(attempts))
 
-    async def aexecute(self, cursor: Any, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
-        await cursor.execute(sql, params, prepare=self.prepare)
-        result = cursor.pgresult
-        return list(await cursor.fetchall()) if result is not None and result.status == TUPLES_OK else []
+    async def aexecute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        plan = self._plans.get(sql) or self._plan(sql)
+        tx = session.tx
+        values = tx.dump_sequence([params[key] for key in plan.keys], plan.formats)
+        types: tuple[int, ...] = tx.types or ()
+        pgconn = session.pgconn
+        if not self.prepare:
+            pgconn.send_query_params(plan.text, values, types, tx.formats, BINARY)
+            return session.rows(await _result(pgconn))
+        name = session.prepared.get((sql, types))
+        if name is None:
+            name = plan.name(types)
+            pgconn.send_prepare(name, plan.text, types)
+            session.check(await _result(pgconn))
+            session.prepared[(sql, types)] = name
+        pgconn.send_query_prepared(name, values, tx.formats, BINARY)
+        return session.rows(await _result(pgconn))
 
     # -- engines -----------------------------------------------------------------------
     @classmethod
@@ -513,6 +554,130 @@ def unavailable(message: str, exc: BaseException) -> DBLockError:
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):  # e.g. no CONNECT on the database
         return PermissionDenied(message, sqlstate=sqlstate)
     return DatabaseUnavailable(message, sqlstate=sqlstate)
+
+
+# -- sending a statement through libpq ---------------------------------------------------
+BINARY = pq.Format.BINARY
+COMMAND_OK = ExecStatus.COMMAND_OK
+SQLSTATE = pq.DiagnosticField.SQLSTATE
+DUPLICATE_PREPARED = b"42P05"  # duplicate_prepared_statement
+
+
+class _Plan:
+    """A statement as libpq takes it: its text with ``$1``, ``$2``... for its ``%(key)s`` binds
+    (each key one number), and the names it is prepared under, by its binds' types."""
+
+    __slots__ = ("sql", "text", "keys", "formats", "_names")
+
+    def __init__(self, sql: str) -> None:
+        keys: dict[str, int] = {}
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(0) == "%%":
+                return "%"
+            if match.group(1) is None:
+                raise ValueError(f"a lone % in a lock statement (binds are %(key)s): {sql!r}")
+            return f"${keys.setdefault(match.group(1), len(keys) + 1)}"
+
+        self.sql = sql
+        self.text = _BIND.sub(number, sql).encode()
+        self.keys = tuple(keys)  # the bind of each $n, in order
+        self.formats = [PyFormat.AUTO] * len(keys)  # psycopg's adapters choose, as for a cursor's %s
+        self._names: dict[tuple[int, ...], bytes] = {}
+
+    def name(self, types: tuple[int, ...]) -> bytes:
+        """The name the statement is prepared under with binds of ``types``: a digest of its text
+        and those types, so a name only ever stands for one statement (behind a transaction
+        pooler, a session another client prepared it on runs the same text, never another)."""
+        name = self._names.get(types)
+        if name is None:
+            digest = hashlib.blake2b(f"{self.sql}\0{types}".encode(), digest_size=10).hexdigest()
+            name = self._names[types] = f"dblock_{digest}".encode()
+        return name
+
+
+_BIND = re.compile(r"%\((\w+)\)s|%%|%")
+
+
+class Session:
+    """A pooled connection as the lock statements use it: the psycopg connection (which
+    opened it and closes it), its libpq connection, psycopg's adaptation of binds and rows
+    with the connection's adapters, and the statements prepared on it."""
+
+    __slots__ = ("raw", "pgconn", "tx", "prepared")
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.pgconn = raw.pgconn
+        self.tx = Transformer(raw)
+        self.prepared: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+    def rows(self, result: Any) -> list[Sequence[Any]]:
+        """The rows of a statement's ``result`` (none for one that returns none: LOCK TABLE)."""
+        status = result.status
+        if status == TUPLES_OK:
+            tx = self.tx
+            tx.set_pgresult(result)
+            return tx.load_rows(0, result.ntuples, tuple)
+        if status == COMMAND_OK:
+            return []
+        raise self.error(result)
+
+    def check(self, result: Any) -> None:
+        """Raise the error of a prepare's ``result``, unless it prepared the statement or found
+        it prepared already: its name is its text's digest, so the one there is the same
+        (another client's, behind a transaction pooler)."""
+        if result.status != COMMAND_OK and result.error_field(SQLSTATE) != DUPLICATE_PREPARED:
+            raise self.error(result)
+
+    def error(self, result: Any) -> psycopg.Error:
+        # psycopg's own error for the result: its class by SQLSTATE, its diagnostics.
+        return error_from_result(result, encoding=self.raw.info.encoding)
+
+
+async def _result(pgconn: Any) -> Any:
+    """The result of the statement just sent on ``pgconn`` (non-blocking, as psycopg connects
+    it), waiting on the event loop for its socket. A socket shut down under it (a statement
+    cut at its deadline) or a lost server raises ``psycopg.OperationalError``."""
+    loop = asyncio.get_running_loop()
+    fd = pgconn.socket
+    while pgconn.flush():
+        await _ready(loop, fd, write=True)
+    result = None
+    while True:
+        pgconn.consume_input()
+        while pgconn.is_busy():
+            await _ready(loop, fd)
+            pgconn.consume_input()
+        got = pgconn.get_result()
+        if got is None:
+            break
+        if result is None:
+            result = got  # one statement: one result, then the end of it
+    if result is None:
+        raise psycopg.OperationalError("the server sent no result")
+    return result
+
+
+async def _ready(loop: asyncio.AbstractEventLoop, fd: int, *, write: bool = False) -> None:
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+    else:
+        loop.add_reader(fd, wake)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
 
 
 # -- the statements ---------------------------------------------------------------------
