@@ -16,6 +16,12 @@ Baselines:
 - the hand-written pair: dblock's own two statements, sent with raw psycopg
   on a connection of its own (prepared), so the ratio is what dblock's code
   adds to its statements;
+- the same statements through libpq: prepared, each sent with
+  ``psycopg.pq``'s ``exec_prepared``, binds made and the row read by hand,
+  the least Python a client can put around them. dblock sends its statements
+  through libpq too (with psycopg's adaptation around each call, not its
+  cursor), so this is its floor, and the line under the table gives dblock's
+  pair against it;
 - the minimal fenced pair: what a user would write without dblock, an
   upsert that draws a per-name token where the lease is free or has run out
   (``INSERT ... ON CONFLICT DO UPDATE ... WHERE``) and an owner-checked
@@ -65,6 +71,7 @@ SHORT = {
     "pg_advisory_lock pair (no TTL, no token)": "advisory\n(no TTL, token)",
     "minimal fenced pair, raw psycopg": "minimal\nfenced pair",
     "hand-written pair, raw psycopg": "dblock's statements,\nhand-written",
+    "the same statements through libpq (psycopg.pq)": "dblock's statements,\nthrough libpq",
     "dblock try_acquire + release": "dblock",
     "dblock pair, metrics recording (SDK)": "dblock,\nmetrics on",
 }
@@ -122,6 +129,27 @@ def main() -> None:
         (_, token, _, _) = own.execute(sql.acquire, params, prepare=True).fetchone()
         own.execute(sql.release, {"name": "hand", "owner": owner, "token": token}, prepare=True).fetchall()
 
+    # The same two statements with the least Python a client can put around them: prepared
+    # once, then each sent by libpq (psycopg.pq) with its binds as text made by hand, its row
+    # read by hand from a binary result. dblock's statements take this road too (through
+    # psycopg's adaptation), where the hand-written pair above goes through psycopg's cursor.
+    floor = psycopg.connect(dsn, autocommit=True)
+    pgconn = floor.pgconn
+    numbered = {key: f"${i}" for i, key in enumerate(("name", "owner", "ttl", "label"), 1)}
+    prepared = pgconn.prepare(b"floor_acquire", (sql.acquire % numbered).encode(), [0, 0, 701, 0])
+    assert prepared.status == psycopg.pq.ExecStatus.COMMAND_OK, prepared.get_error_message()
+    numbered = {key: f"${i}" for i, key in enumerate(("name", "owner", "token"), 1)}
+    prepared = pgconn.prepare(b"floor_release", (sql.release % numbered).encode(), [0, 0, 20])
+    assert prepared.status == psycopg.pq.ExecStatus.COMMAND_OK, prepared.get_error_message()
+    encoded_label = label.encode()
+
+    def through_libpq() -> None:
+        owner = secrets.token_hex(16).encode()
+        got = pgconn.exec_prepared(b"floor_acquire", [b"floor", owner, b"30.0", encoded_label], None, 1)
+        token = got.get_value(0, 1)
+        assert token is not None, got.get_error_message()
+        pgconn.exec_prepared(b"floor_release", [b"floor", owner, str(int.from_bytes(token, "big")).encode()], None, 1)
+
     # The minimal fenced pair, on a table and connection of its own.
     minimal_table = table + "_minimal"
     mine = psycopg.connect(dsn, autocommit=True)
@@ -153,6 +181,7 @@ RETURNING token"""
         "pg_advisory_lock pair (no TTL, no token)": advisory,
         "minimal fenced pair, raw psycopg": minimal,
         "hand-written pair, raw psycopg": hand_written,
+        "the same statements through libpq (psycopg.pq)": through_libpq,
         "dblock try_acquire + release": dblock_pair,
     }
     if args.metrics:
@@ -178,9 +207,11 @@ RETURNING token"""
     base = medians["hand-written pair, raw psycopg"]
     least = medians["minimal fenced pair, raw psycopg"]
     print(f"uncontended, {rounds} rounds x {block} pairs, PostgreSQL {raw.info.server_version}")
-    print(f"{'variant':45} {'us/pair':>9} {'vs hand-written':>16} {'vs minimal':>11}")
+    print(f"{'variant':48} {'us/pair':>9} {'vs hand-written':>16} {'vs minimal':>11}")
     for name, med in medians.items():
-        print(f"{name:45} {med:9.1f} {med / base:15.2f}x {med / least:10.2f}x")
+        print(f"{name:48} {med:9.1f} {med / base:15.2f}x {med / least:10.2f}x")
+    ours, floor_us = medians["dblock try_acquire + release"], medians["the same statements through libpq (psycopg.pq)"]
+    print(f"dblock's pair against its statements through libpq: {ours / floor_us:.2f}x ({ours - floor_us:+.1f} us)")
     if args.profile:
         profile(locker, dblock_pair, args.pairs * args.rounds, medians)
     if args.layers:
@@ -195,6 +226,7 @@ RETURNING token"""
         )
     raw.close()
     own.close()
+    floor.close()
     mine.execute(f"DROP TABLE {minimal_table}")
     mine.close()
     locker.close()
