@@ -70,8 +70,8 @@ SHORT = {
     "2 x SELECT 1": "2 x SELECT 1",
     "pg_advisory_lock pair (no TTL, no token)": "advisory\n(no TTL, token)",
     "minimal fenced pair, raw psycopg": "minimal\nfenced pair",
-    "hand-written pair, raw psycopg": "dblock's statements,\nhand-written",
-    "the same statements through libpq (psycopg.pq)": "dblock's statements,\nthrough libpq",
+    "hand-written pair, raw psycopg": "its statements,\npsycopg cursor",
+    "the same statements through libpq (psycopg.pq)": "its statements,\nlibpq",
     "dblock try_acquire + release": "dblock",
     "dblock pair, metrics recording (SDK)": "dblock,\nmetrics on",
 }
