@@ -645,8 +645,7 @@ async def _result(pgconn: Any) -> Any:
         await _ready(loop, fd, write=True)
     result = None
     while True:
-        pgconn.consume_input()
-        while pgconn.is_busy():
+        while pgconn.is_busy():  # (nothing is read before the socket says there is something)
             await _ready(loop, fd)
             pgconn.consume_input()
         got = pgconn.get_result()
