@@ -403,3 +403,22 @@ def test_a_lone_percent_sign_in_a_statement_is_refused_before_it_is_sent(pg: Db)
         with pytest.raises(ValueError, match="lone %"):
             locker.backend.execute(locker.backend.cursor(raw), "SELECT 5 % 2", {})
         assert _prepared(raw) == {}
+
+
+def test_a_statement_whose_prepare_failed_is_prepared_again_next_time(pg: Db) -> None:
+    """A prepare that fails (here: the table is not there yet) leaves the statement not
+    prepared on the connection: the next call prepares it again and runs it, rather than
+    sending a name the server never knew."""
+    locker = pg.locker()
+    backend = locker.backend
+    statement = f"SELECT count(*) FROM {pg.table}_later WHERE %(a)s::text IS NOT NULL"
+    with backend.connect(time.monotonic() + 5) as raw:
+        session = backend.cursor(raw)
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            backend.execute(session, statement, {"a": "x"})
+        assert session.prepared == {}
+        pg.query(f"CREATE TABLE {pg.table}_later (id int)")
+        try:
+            assert backend.execute(session, statement, {"a": "x"}) == [(0,)]
+        finally:
+            pg.query(f"DROP TABLE {pg.table}_later")

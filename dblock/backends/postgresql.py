@@ -186,22 +186,37 @@ class PostgreSQL(Backend):
         return Session(raw)
 
     def execute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
+        text, values, types, name, new = self._call(session, sql, params)
+        pgconn = session.pgconn
+        if name is None:
+            return session.rows(pgconn.exec_params(text, values, types, session.tx.formats, BINARY))
+        if new:
+            session.check(pgconn.prepare(name, text, types), (sql, types))
+        return session.rows(pgconn.exec_prepared(name, values, session.tx.formats, BINARY))
+
+    def _call(
+        self, session: Session, sql: str, params: dict[str, Any]
+    ) -> tuple[bytes, Sequence[Any], tuple[int, ...], bytes | None, bool]:
+        """What one call sends (both faces): the statement's text, its binds as psycopg dumps
+        them, their types, the name it is prepared under (None: sent unprepared), and whether
+        that name is new on this connection (then it is prepared first, and remembered)."""
         plan = self._plans.get(sql) or self._plan(sql)
         tx = session.tx
         values = tx.dump_sequence([params[key] for key in plan.keys], plan.formats)
         types: tuple[int, ...] = tx.types or ()
-        pgconn = session.pgconn
         if not self.prepare:
-            return session.rows(pgconn.exec_params(plan.text, values, types, tx.formats, BINARY))
+            return plan.text, values, types, None, False
         name = session.prepared.get((sql, types))
-        if name is None:
-            name = plan.name(types)
-            session.check(pgconn.prepare(name, plan.text, types))
-            session.prepared[(sql, types)] = name
-        return session.rows(pgconn.exec_prepared(name, values, tx.formats, BINARY))
+        if name is not None:
+            return plan.text, values, types, name, False
+        name = session.prepared[(sql, types)] = plan.name(types)
+        return plan.text, values, types, name, True
 
     def _plan(self, sql: str) -> _Plan:
-        plan = self._plans[sql] = _Plan(sql)
+        """``sql`` as libpq takes it, made once per statement text."""
+        plan = self._plans.get(sql)
+        if plan is None:
+            plan = self._plans[sql] = _Plan(sql)
         return plan
 
     async def aconnect(self, deadline: float) -> Any:
@@ -225,21 +240,15 @@ class PostgreSQL(Backend):
         raise connect_failed(self.where, failed, len(attempts))
 
     async def aexecute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
-        plan = self._plans.get(sql) or self._plan(sql)
-        tx = session.tx
-        values = tx.dump_sequence([params[key] for key in plan.keys], plan.formats)
-        types: tuple[int, ...] = tx.types or ()
+        text, values, types, name, new = self._call(session, sql, params)
         pgconn = session.pgconn
-        if not self.prepare:
-            pgconn.send_query_params(plan.text, values, types, tx.formats, BINARY)
-            return session.rows(await _result(pgconn))
-        name = session.prepared.get((sql, types))
         if name is None:
-            name = plan.name(types)
-            pgconn.send_prepare(name, plan.text, types)
-            session.check(await _result(pgconn))
-            session.prepared[(sql, types)] = name
-        pgconn.send_query_prepared(name, values, tx.formats, BINARY)
+            pgconn.send_query_params(text, values, types, session.tx.formats, BINARY)
+        else:
+            if new:
+                pgconn.send_prepare(name, text, types)
+                session.check(await _result(pgconn), (sql, types))
+            pgconn.send_query_prepared(name, values, session.tx.formats, BINARY)
         return session.rows(await _result(pgconn))
 
     # -- engines -----------------------------------------------------------------------
@@ -623,11 +632,13 @@ class Session:
             return []
         raise self.error(result)
 
-    def check(self, result: Any) -> None:
-        """Raise the error of a prepare's ``result``, unless it prepared the statement or found
-        it prepared already: its name is its text's digest, so the one there is the same
-        (another client's, behind a transaction pooler)."""
+    def check(self, result: Any, key: tuple[str, tuple[int, ...]]) -> None:
+        """Raise the error of a prepare's ``result`` (the statement ``key`` is then not taken
+        for prepared), unless it prepared the statement or found it prepared already: its
+        name is its text's digest, so the one there is the same (another client's, behind a
+        transaction pooler)."""
         if result.status != COMMAND_OK and result.error_field(SQLSTATE) != DUPLICATE_PREPARED:
+            self.prepared.pop(key, None)
             raise self.error(result)
 
     def error(self, result: Any) -> psycopg.Error:
