@@ -345,7 +345,8 @@ def test_tokens_of_every_size_share_one_prepared_statement(pg: Db, proxy: PgProx
 
 
 # -- statements through libpq ----------------------------------------------------------
-PROBE = """SELECT %(a)s::text AS a, %(b)s::bigint AS b, %(c)s::float8 AS c, '2026-11-29 12:00:00.123456+00'::timestamptz AS at, NULL::float8 AS none,
+PROBE = """SELECT %(a)s::text AS a, %(b)s::bigint AS b, %(c)s::float8 AS c,
+    '2026-11-29 12:00:00.123456+00'::timestamptz AS at, NULL::float8 AS none,
     %(b)s > 0 AS yes, %(a)s || '%%' AS pct, 1.5::numeric AS num, ARRAY[%(a)s] AS arr"""
 
 
@@ -358,8 +359,7 @@ def test_a_statement_through_libpq_reads_as_through_psycopgs_cursor(pg: Db, prep
     """dblock sends its statements through libpq with psycopg's adaptation, not psycopg's cursor:
     the same binds give the same rows, of the same types; a key used twice is one bind, and
     ``%%`` is a percent sign. Prepared, the name is the text's digest and says so on the server."""
-    locker = Locker(pg.url, table=pg.table, prepare=prepare)
-    backend = locker.backend
+    backend = pg.locker(prepare=prepare).backend
     params = {"a": "x", "b": 40_000, "c": 2.5}
     with backend.connect(time.monotonic() + 5) as raw:  # a connection as dblock opens them, its adapters
         expected = raw.cursor().execute(PROBE, params).fetchall()
@@ -374,13 +374,11 @@ def test_a_statement_through_libpq_reads_as_through_psycopgs_cursor(pg: Db, prep
             assert backend.execute(session, PROBE, {**params, "b": 1}) != got  # by name again: every int a bigint
             assert [n for n in _prepared(raw) if n.startswith("dblock_")] == [name]
             ((sql, types),) = session.prepared
-            other = Locker(pg.url, table=pg.table)
-            assert other.backend._plan(PROBE).name(types) == name.encode()  # another client: the same name
-            assert other.backend._plan(PROBE).name((*types[:-1], 700)) != name.encode()  # other types: another
-            other.close()
+            other = pg.locker().backend  # another client: the same name; other types, another
+            assert other._plan(PROBE).name(types) == name.encode()
+            assert other._plan(PROBE).name((*types[:-1], 700)) != name.encode()
         else:
             assert names == []
-    locker.close()
 
 
 def test_a_statement_another_client_prepared_under_its_name_runs(pg: Db) -> None:
