@@ -220,6 +220,26 @@ async def test_a_statement_that_gets_no_answer_is_cut_off_at_its_deadline(pg: Db
     assert held(pg) == []
 
 
+async def test_an_immediate_restart_costs_one_retry_not_an_error(pg: Db, pg_server: Any) -> None:
+    """An immediate (crash) restart of PostgreSQL under an AsyncLocker: its pooled connection
+    died with the server, which libpq sees only when a statement is sent on it. The call
+    throws that connection away and sends the statement again on a new one; the lease
+    granted before the crash survived, and tokens never go back."""
+    from pgserver._commands import pg_ctl
+
+    async with alocker(pg) as locker:
+        held = await locker.try_acquire("held", ttl=120)
+        last = await locker.try_acquire("churn")
+        assert held is not None and last is not None and await last.release()
+        await asyncio.to_thread(
+            pg_ctl, ["-m", "immediate", "-w", "restart"], pgdata=pg_server.pgdata, user=pg_server.system_user
+        )
+        after = await locker.try_acquire("churn")
+        assert after is not None and after.token > last.token
+        assert await locker.try_acquire("held") is None  # the committed grant survived
+        assert await held.release() is True and await after.release() is True
+
+
 async def test_a_lost_reply_leaves_no_lease_behind(pg: Db) -> None:
     """The acquire commits but its reply is lost and the retry's connection is refused:
     the call raises, and the lease it was granted is ended in the background."""

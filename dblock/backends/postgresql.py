@@ -188,11 +188,15 @@ class PostgreSQL(Backend):
     def execute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         text, values, types, name, new = self._call(session, sql, params)
         pgconn = session.pgconn
-        if name is None:
-            return session.rows(pgconn.exec_params(text, values, types, session.tx.formats, BINARY))
-        if new:
-            session.check(pgconn.prepare(name, text, types), (sql, types))
-        return session.rows(pgconn.exec_prepared(name, values, session.tx.formats, BINARY))
+        try:
+            if name is None:
+                return session.rows(pgconn.exec_params(text, values, types, session.tx.formats, BINARY))
+            if new:
+                session.check(pgconn.prepare(name, text, types), (sql, types))
+            return session.rows(pgconn.exec_prepared(name, values, session.tx.formats, BINARY))
+        except psycopg.OperationalError as exc:
+            session.failed(exc)
+            raise
 
     def _call(
         self, session: Session, sql: str, params: dict[str, Any]
@@ -242,14 +246,18 @@ class PostgreSQL(Backend):
     async def aexecute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         text, values, types, name, new = self._call(session, sql, params)
         pgconn = session.pgconn
-        if name is None:
-            pgconn.send_query_params(text, values, types, session.tx.formats, BINARY)
-        else:
-            if new:
-                pgconn.send_prepare(name, text, types)
-                session.check(await _result(pgconn), (sql, types))
-            pgconn.send_query_prepared(name, values, session.tx.formats, BINARY)
-        return session.rows(await _result(pgconn))
+        try:
+            if name is None:
+                pgconn.send_query_params(text, values, types, session.tx.formats, BINARY)
+            else:
+                if new:
+                    pgconn.send_prepare(name, text, types)
+                    session.check(await _result(pgconn), (sql, types))
+                pgconn.send_query_prepared(name, values, session.tx.formats, BINARY)
+            return session.rows(await _result(pgconn))
+        except psycopg.OperationalError as exc:
+            session.failed(exc)
+            raise
 
     # -- engines -----------------------------------------------------------------------
     @classmethod
@@ -642,8 +650,21 @@ class Session:
             raise self.error(result)
 
     def error(self, result: Any) -> psycopg.Error:
-        # psycopg's own error for the result: its class by SQLSTATE, its diagnostics.
+        """psycopg's own error for a failed ``result``: its class by SQLSTATE, its diagnostics.
+        A result with no SQLSTATE is libpq's own (the server did not answer: it closed the
+        connection, or the socket failed): an ``OperationalError``, as psycopg raises then."""
+        if not result.error_field(SQLSTATE):
+            return psycopg.OperationalError(result.get_error_message(self.raw.info.encoding))
         return error_from_result(result, encoding=self.raw.info.encoding)
+
+    def failed(self, exc: psycopg.OperationalError) -> None:
+        """A call failed with ``exc``. One that is libpq's own (no SQLSTATE) means the
+        connection is lost or out of step, though libpq may not have marked it so yet (a
+        write to a socket the server closed): it is closed now, so that the driver throws
+        it away and sends the statement once more on a new one. A server's error leaves the
+        connection as it is."""
+        if exc.sqlstate is None:
+            self.pgconn.finish()
 
 
 async def _result(pgconn: Any) -> Any:
