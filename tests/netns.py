@@ -3,8 +3,9 @@
 ``pair()`` makes a *server* and a *client* namespace (unique names per run), joined by a
 veth pair with addresses from 10.231.0.0/30 that exist only inside them
 (``SERVER_ADDR`` on the server's end, ``CLIENT_ADDR`` on the client's). ``cut()`` sets the
-server's end down: the client's packets are then dropped without a word (no RST, no ICMP;
-its kernel retransmits, a connect hangs) until ``heal()``. ``argv(ns, [...])`` runs a
+server's end down: the client's packets are then dropped without a word (no RST, no ICMP,
+no failed ARP look-up: each end knows the other's MAC address for good; its kernel
+retransmits, a connect hangs) until ``heal()``. ``argv(ns, [...])`` runs a
 command inside a namespace (``ip netns exec``). ``close()`` (the end of the ``with``
 block) kills every process left in both namespaces and deletes them, which deletes the
 veth pair too.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import pwd
 import secrets
@@ -86,6 +88,17 @@ class Pair:
     def heal(self) -> None:
         """Let packets through again (connections that survived the cut carry on)."""
         _ip("-n", self.server, "link", "set", self.server_dev, "up")
+        self._pin()  # setting the link down flushed the server's entry
+
+    def _pin(self) -> None:
+        """Each end knows the other's MAC address for good: across a cut, no ARP look-up fails
+        and reports "no route to host" to a connect or a send; packets are only dropped."""
+        for ns, dev, addr, peer_ns, peer_dev in (
+            (self.client, self.client_dev, SERVER_ADDR, self.server, self.server_dev),
+            (self.server, self.server_dev, CLIENT_ADDR, self.client, self.client_dev),
+        ):
+            mac = json.loads(_ip("-j", "-n", peer_ns, "link", "show", "dev", peer_dev).stdout)[0]["address"]
+            _ip("-n", ns, "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
 
     def close(self) -> None:
         """Kill what runs in both namespaces and delete them (and the veth pair with them)."""
@@ -123,6 +136,7 @@ def pair() -> Iterator[Pair]:
             _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        made._pin()
         yield made
     finally:
         made.close()
