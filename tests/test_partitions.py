@@ -186,14 +186,17 @@ def on_this_clock(server_time: Any) -> float:
     return server_time.timestamp() - (time.time() - time.monotonic())
 
 
-def poll_grant(locker: Locker, name: str, ttl: float, deadline: float) -> tuple[Any, float, float]:
+def poll_grant(part: Partition, locker: Locker, name: str, ttl: float, deadline: float) -> tuple[Any, float, float, Any]:
     """try_acquire ``name`` as fast as the server answers until granted: the lease, when the
-    successful try was sent and when it returned."""
+    successful try was sent and when it returned, and the database expiry of the lease it
+    took over (read before each try: the last read is the old lease's final expiry)."""
     while True:
+        with part.engine.connect() as conn:
+            expiry = conn.execute(text(f"SELECT expires_at FROM {part.table} WHERE name = :n"), {"n": name}).scalar()
         sent = time.monotonic()
         lease = locker.try_acquire(name, ttl=ttl)
         if lease is not None:
-            return lease, sent, time.monotonic()
+            return lease, sent, time.monotonic(), expiry
         assert sent < deadline, f"{name!r} was not granted by the deadline"
         time.sleep(0.001)
 
@@ -214,7 +217,8 @@ def test_a_holder_cut_off_while_renewing_stops_trusting_before_the_next_grant_an
 
     other = part.locker()
     cut = part.cut()
-    lease, sent, returned = poll_grant(other, "job", ttl=30, deadline=cut + ttl + 30)
+    lease, sent, returned, expiry = poll_grant(part, other, "job", ttl=30, deadline=cut + ttl + 30)
+    expired = on_this_clock(expiry)  # the database expiry of the holder's last extend
     (info,) = [i for i in other.leases("job") if i.owner == lease.owner]
     granted = on_this_clock(info.acquired_at)  # the server's now() of the granting statement
 
@@ -225,14 +229,14 @@ def test_a_holder_cut_off_while_renewing_stops_trusting_before_the_next_grant_an
     # The holder's trust ended before anybody else was granted, by the server's clock and by the
     # moment the grant came back; it was warned first, then told, with remaining() 0 and lost set.
     assert lease.token > held["token"]
-    assert trust_end < granted <= returned, (trust_end, granted, returned)
+    assert trust_end <= expired <= granted <= returned, (trust_end, expired, granted, returned)
     assert expiring["at"] < lost["at"], (expiring, lost)
     assert expiring["remaining"] > 0
     assert lost["remaining"] == 0 and lost["lost"] is True
     assert untrusted[0]["seen"] >= trust_end
     FIGURES.append(
-        f"holder cut off while renewing (ttl {ttl:g} s): its trust ended {(granted - trust_end) * 1000:.1f} ms "
-        f"before the next grant by the server's clock ({(returned - trust_end) * 1000:.1f} ms before that grant "
+        f"holder cut off while renewing (ttl {ttl:g} s): its trust ended {(expired - trust_end) * 1000:.2f} ms before "
+        f"its database expiry and {(granted - trust_end) * 1000:.1f} ms before the next grant by the server's clock ({(returned - trust_end) * 1000:.1f} ms before that grant "
         f"came back); on_expiring {expiring['at'] - cut:.2f} s and on_lost {lost['at'] - cut:.2f} s after the cut"
     )
 
@@ -384,3 +388,80 @@ def test_a_fair_waiter_cut_off_is_passed_over_and_does_not_come_back_with_a_leas
     assert status["held"] and not status["lost"]
     (info,) = holder_locker.leases("fair")
     assert info.token == back["token"]
+
+
+
+@pytest.mark.parametrize("heal", ["while-handed", "after-the-next-grant"])
+def test_a_fair_waiter_handed_the_lease_while_cut_off_comes_back_with_trust_or_without_it(part: Partition, heal: str) -> None:
+    """The release comes right after the cut, while the cut-off waiter still counts as alive:
+    the lease is handed to it, and it cannot hear so. Healed while that lease lasts, the
+    waiter may come back with it (trusted, and its trust ends before the next waiter's grant);
+    healed after the lease ran out and went to the next waiter, it must not come back with
+    it: it waits on and gets a lease of its own, trusted for most of its ttl."""
+    ttl = 3.0
+    holder_locker = part.locker()
+    holder = holder_locker.try_acquire("fair", ttl=60)
+    assert holder is not None
+    waiter = part.worker(op_timeout=OP_TIMEOUT, poll_max=POLL_MAX)
+    waiter.send("wait", name="fair", ttl=ttl, timeout=120)
+    deadline = time.monotonic() + 30
+    while holder_locker.waiters().get("fair", 0) < 1:
+        assert time.monotonic() < deadline, "the worker did not queue"
+        time.sleep(0.02)
+    second = part.locker(poll_max=POLL_MAX)
+    granted: queue.Queue[Any] = queue.Queue()
+
+    def wait() -> None:
+        try:
+            granted.put(second.acquire("fair", ttl=30, timeout=60))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            granted.put(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    while holder_locker.waiters().get("fair", 0) < 2:
+        assert time.monotonic() < deadline, "the second waiter did not queue"
+        time.sleep(0.02)
+
+    part.cut()
+    assert holder.release() is True  # handed to the cut-off waiter: its heartbeat is still fresh
+    with part.engine.connect() as conn:
+        handed = conn.execute(text(f"SELECT token FROM {part.table} WHERE name = 'fair'")).scalar()
+    assert handed > holder.token
+    if heal == "while-handed":
+        time.sleep(ttl / 3)  # the scenario: a third of the handed lease gone, then the heal
+        part.heal()
+        next_lease = granted.get(timeout=60)  # once the handed lease ended, by the server's clock
+        assert not isinstance(next_lease, BaseException), next_lease
+        assert next_lease.token > handed
+        (info,) = holder_locker.leases("fair")
+        assert info.token == next_lease.token
+        assert next_lease.release() is True
+        back = waiter.expect("granted", "failed", timeout=60)
+        assert back["event"] == "granted", back
+        if back["token"] == handed:
+            # It came back with the lease handed to it; its trust ended before the next grant.
+            trust_end = back["at"] + back["remaining"]
+            assert trust_end < on_this_clock(info.acquired_at), (back, info)
+            FIGURES.append(
+                f"fair waiter handed the lease while cut off, healed {ttl / 3:g} s later: it came back with "
+                f"{back['remaining']:.2f} s of {ttl:g} s trusted; its trust ended "
+                f"{(on_this_clock(info.acquired_at) - trust_end) * 1000:.1f} ms before the next grant"
+            )
+        else:  # the handed lease ran out before it could confirm it: it waited on, and got the next
+            assert back["token"] > next_lease.token
+    else:
+        next_lease = granted.get(timeout=60)  # once the handed lease ran out, by the server's clock
+        assert not isinstance(next_lease, BaseException), next_lease
+        assert next_lease.token > handed
+        part.heal()
+        while holder_locker.waiters().get("fair", 0) < 1:
+            assert time.monotonic() < deadline + 60, "the healed waiter did not queue again"
+            time.sleep(0.02)
+        assert waiter.named("granted") == []
+        assert next_lease.release() is True
+        back = waiter.expect("granted", "failed", timeout=60)
+        assert back["event"] == "granted", back
+        assert back["token"] > next_lease.token
+    assert back["remaining"] >= ttl / 2, back  # a lease to use, never one it cannot trust
+    thread.join(30)
