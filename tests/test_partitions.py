@@ -69,7 +69,8 @@ class Worker:
             pair.argv(pair.client, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.seen: list[dict[str, Any]] = []
+        self.seen: list[dict[str, Any]] = []  # every event read from the worker
+        self.unread: list[dict[str, Any]] = []  # read by named(), not yet by expect()
         threading.Thread(target=self._read, daemon=True).start()
         self.expect("ready", timeout=60)
 
@@ -88,18 +89,28 @@ class Worker:
         """The next event named one of ``events`` (others are kept in ``seen``), within ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            try:
-                event = self.events.get(timeout=max(left, 0))
-            except queue.Empty:
-                raise AssertionError(f"no {events} within {timeout} s; seen {self.seen}; log: {self._tail()}") from None
-            self.seen.append(event)
+            if self.unread:
+                event = self.unread.pop(0)
+            else:
+                try:
+                    event = self.events.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    raise AssertionError(f"no {events} within {timeout} s; seen {self.seen}; log: {self._tail()}") from None
+                self.seen.append(event)
             if event["event"] in events:
                 return event
             if event["event"] == "exited" or (event["event"] == "failed" and "failed" not in events):
                 raise AssertionError(f"the worker reported {event} while {events} was expected; log: {self._tail()}")
 
     def named(self, event: str) -> list[dict[str, Any]]:
+        """The events named ``event`` reported so far, read by ``expect`` or not."""
+        while True:
+            try:
+                arrived = self.events.get_nowait()
+            except queue.Empty:
+                break
+            self.seen.append(arrived)
+            self.unread.append(arrived)
         return [e for e in self.seen if e["event"] == event]
 
     def _tail(self) -> str:
@@ -224,7 +235,7 @@ def test_a_holder_cut_off_while_renewing_stops_trusting_before_the_next_grant_an
 
     expiring = holder.expect("expiring", timeout=30)
     lost = holder.expect("lost", timeout=30)
-    untrusted = [e for e in holder.seen if e["event"] == "untrusted"] or [holder.expect("untrusted", timeout=30)]
+    untrusted = holder.named("untrusted") or [holder.expect("untrusted", timeout=30)]
     trust_end = untrusted[0]["trust_end"]
     # The holder's trust ended before anybody else was granted, by the server's clock and by the
     # moment the grant came back; it was warned first, then told, with remaining() 0 and lost set.
