@@ -18,6 +18,8 @@ Commands (``{"do": ...}``):
 - ``wait`` name ttl timeout: a waiting acquire on a thread of its own; ``granted`` (token,
   remaining) or ``failed``.
 - ``again`` name timeout: ``trying``, then ``acquire`` on the same Locker, timed: ``granted`` or ``failed``.
+- ``fresh`` name ttl: ``trying``, then ``try_acquire`` on a new Locker (a connect first):
+  ``granted`` (remaining, lost, took), ``missed`` or ``failed``.
 - ``status`` name: ``status`` of the lease kept as ``name`` (remaining, lost).
 - ``exit``.
 """
@@ -148,6 +150,24 @@ class Worker:
             return
         self.leases[name] = lease
         say("granted", token=lease.token, remaining=lease.remaining(), took=time.monotonic() - started, started=started)
+
+    def fresh(self, name: str, ttl: float) -> None:
+        """try_acquire on a Locker of its own, which has no connection yet: ``trying``, then
+        ``granted`` (with the trust left as the call returned), ``missed`` or ``failed``."""
+        locker = Locker(self.url, table=self.locker.table, op_timeout=self.locker.op_timeout)
+        say("trying")
+        started = time.monotonic()
+        try:
+            lease = locker.try_acquire(name, ttl=ttl)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            say("failed", took=time.monotonic() - started, **failure(exc))
+            return
+        if lease is None:
+            say("missed", took=time.monotonic() - started)
+            return
+        self.leases[name] = lease
+        say("granted", token=lease.token, remaining=lease.remaining(), lost=lease.lost.is_set(),
+            took=time.monotonic() - started)
 
     def status(self, name: str) -> None:
         lease = self.leases.get(name)
