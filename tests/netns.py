@@ -40,6 +40,7 @@ from typing import Iterator, Sequence
 SERVER_ADDR = "10.231.0.1"
 CLIENT_ADDR = "10.231.0.2"
 PREFIX = "dblock-net"  # every namespace this module makes is named PREFIX-<pid>-<random>-{srv,cli}
+_DIR_PREFIX = "dblock-netpg-"  # and a server's directory _DIR_PREFIX<pid>-<random>
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -142,22 +143,30 @@ def pair() -> Iterator[Pair]:
         made.close()
 
 
+def _gone(pid: str) -> bool:
+    """Whether the process ``pid`` (digits from a name this module made) has ended."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, someone else's
+    return False
+
+
 def sweep() -> None:
-    """Delete the namespaces (and kill their processes) of runs whose process is gone."""
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    for line in listed:
+    """Delete the namespaces (killing their processes) and the server directories of runs whose process is gone."""
+    for line in _ip("netns", "list", check=False).stdout.split("\n"):
         name = line.split(" ")[0]
-        if not name.startswith(PREFIX + "-"):
-            continue
-        pid = name[len(PREFIX) + 1 :].split("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if name.startswith(PREFIX + "-") and _gone(name[len(PREFIX) + 1 :].split("-")[0]):
             _remove(name)
-        except PermissionError:
-            pass  # alive, someone else's
+    for parent in {"/dev/shm", tempfile.gettempdir()}:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                if entry.name.startswith(_DIR_PREFIX) and _gone(entry.name[len(_DIR_PREFIX) :].split("-")[0]):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 class Server:
@@ -195,7 +204,7 @@ def postgresql(net: Pair, *, port: int = 5432, timeout: float = 60.0) -> Iterato
     user = _os_user()
     bin_dir = _bin()
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    directory = Path(tempfile.mkdtemp(prefix="dblock-netpg-", dir=shm))
+    directory = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=shm))
     os.chmod(directory, 0o755)
     os.chown(directory, user.pw_uid, user.pw_gid)
     data = directory / "data"
