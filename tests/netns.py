@@ -184,7 +184,7 @@ def _bin() -> Path:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
         pgserver = importlib.import_module("pgserver")
-    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+    return Path(str(pgserver.__file__)).parent / "pginstall" / "bin"
 
 
 def _os_user() -> pwd.struct_passwd:

@@ -65,7 +65,7 @@ class Worker:
         self.leases: dict[str, Any] = {}
 
     def hold(self, name: str, ttl: float) -> None:
-        trust = {"end": None}
+        trust: dict[str, float | None] = {"end": None}
 
         def expiring(lease: Any) -> None:
             say("expiring", remaining=lease.remaining(), trust_end=trust["end"])
@@ -96,7 +96,7 @@ class Worker:
         try:
             with self.engine.begin() as conn:
                 result = dblock.fenced_update(conn, stmt, lease)
-            say("wrote", token=lease.token, rows=result.rowcount)
+            say("wrote", token=lease.token, rows=result.rowcount)  # type: ignore[attr-defined]
         except FencedOut as exc:
             say("fenced", token=lease.token, newer=exc.newer)
         except Exception as exc:  # noqa: BLE001 - reported to the test

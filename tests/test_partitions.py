@@ -386,7 +386,7 @@ def test_a_fair_waiter_cut_off_is_passed_over_and_does_not_come_back_with_a_leas
     lapse = 4 * POLL_MAX + 1
     while True:
         with part.engine.connect() as conn:
-            fresh = conn.execute(text(f"SELECT count(*) FROM {procs} WHERE until > now()")).scalar()
+            fresh = conn.execute(text(f"SELECT count(*) FROM {procs} WHERE until > now()")).scalar_one()
         if fresh <= 1:
             break
         assert time.monotonic() < cut + lapse + SLACK, "the cut-off waiter's heartbeat did not lapse"
@@ -461,7 +461,7 @@ def test_a_fair_waiter_handed_the_lease_while_cut_off_comes_back_with_trust_or_w
     part.cut()
     assert holder.release() is True  # handed to the cut-off waiter: its heartbeat is still fresh
     with part.engine.connect() as conn:
-        handed = conn.execute(text(f"SELECT token FROM {part.table} WHERE name = 'fair'")).scalar()
+        handed = conn.execute(text(f"SELECT token FROM {part.table} WHERE name = 'fair'")).scalar_one()
     assert handed > holder.token
     if heal == "while-handed":
         time.sleep(ttl / 3)  # the scenario: a third of the handed lease gone, then the heal
