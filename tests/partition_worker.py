@@ -7,7 +7,7 @@ both run on one machine, and a network namespace has no clock of its own).
 
 Commands (``{"do": ...}``):
 - ``hold`` name ttl: acquire with renewal, ``on_expiring`` and ``on_lost``; reports
-  ``held`` (token, trusted_until), then ``expiring``, ``lost`` and ``untrusted`` (the first
+  ``held`` (token, trust_end), ``renewed`` at each extend, then ``expiring``, ``lost`` and ``untrusted`` (the first
   look at ``remaining()`` that found 0) as they come, each with ``trust_end``: the last
   ``now + remaining()`` seen while the lease was trusted (where its trust ends).
 - ``write`` name: a fenced increment of the counter row with the lease held as ``name``:
@@ -85,7 +85,10 @@ class Worker:
                 if left <= 0:
                     say("untrusted", seen=now, trust_end=trust["end"], lost=lease.lost.is_set())
                     return
-                trust["end"] = now + left
+                end = now + left
+                if end > (trust["end"] or 0) + ttl / 10:  # an extend moved it on
+                    say("renewed", trust_end=end)
+                trust["end"] = end
                 time.sleep(0.002)
 
         threading.Thread(target=watch, daemon=True).start()
