@@ -119,8 +119,8 @@ class Leadership:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Resign; raise LeaseLost if the term was lost before the block ended (unless it is failing)."""
-        self.lease.__exit__(exc_type, exc, tb)
+        """Resign; raise LeaseLost if the term was lost before the block ended (as a lease's with-block does)."""
+        self.lease._end_block(exc, f"the leadership of {self.name!r} (term {self.term})")
 
     def __repr__(self) -> str:
         state = "lost" if self.lost.is_set() else f"remaining={self.remaining():.3f}s"

@@ -114,7 +114,7 @@ class Lease(LeaseView):
         done = self._keeper.extend(self.name, self.owner, self.token, ttl)
         if done is None:
             if not self._state.released:
-                self._lose()
+                self._lose("an extend found it released or taken over")
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
         self._state.extended(done.expires_at, ttl, done.sent_at)
 
@@ -177,10 +177,10 @@ class Lease(LeaseView):
             raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
         self._renewal = self._keeper.renewer.add(self, self._state, on_lost, on_expiring, margin)
 
-    def _lose(self) -> None:
+    def _lose(self, why: str) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal
         # gave up waiting) must not make the caller trust the lease again.
-        self._state.lose()
+        self._state.lose(why)
         if self._renewal is not None:
             self._keeper.renewer.drop(self._renewal)
 
@@ -196,19 +196,51 @@ class Lease(LeaseView):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
+        """Release; raise LeaseLost if the lease was lost before the block ended (see ``_end_block``)."""
+        self._end_block(exc, f"lease on {self.name!r} (token {self.token})")
+
+    def _end_block(self, exc: BaseException | None, what: str) -> None:
+        """A with-block's end: release the lease, and raise LeaseLost if it was lost before the block
+        ended: the holder found it lost (renewal, an extend), its trusted time had run out, or the
+        release found it released or taken over. The lease is released all the same where it is
+        still this holder's. Not raised when the block released the lease itself (its ``release()``
+        said how it ended), nor over the block's own exception: that one goes on, the loss told
+        in a note on it and in the log."""
         failing = exc is not None
         released_before = self._state.released
+        lapse = None if released_before else self._lapse(self._renewal is not None)
         try:
             ended = self.release()
-        except Exception:
-            if not failing:
+        except Exception as error:
+            if failing:
+                release_log.exception("could not release %r after an error in the with-block", self.name)
+                _note(exc, self._lost_in_block(what, lapse, None, str(error)))
+                return
+            lost = self._lost_in_block(what, lapse, None, str(error))
+            if lost is None:  # nothing was lost: the release's own error is the news
                 raise
-            release_log.exception("could not release %r after an error in the with-block", self.name)
+            raise LeaseLost(lost) from error
+        if released_before:
             return
-        lost = self._lost_in_block(ended, released_before, failing)
-        if lost is not None:
-            raise lost
+        detail = "" if ended or failing else self._holders_now()
+        lost = self._lost_in_block(what, lapse, ended, detail)
+        if lost is None:
+            return
+        if failing:
+            _note(exc, lost)
+            return
+        raise LeaseLost(lost)
+
+    def _holders_now(self) -> str:
+        """Who holds the name now, for the message of a lease found released or taken over ("" if
+        that cannot be read: it is only a detail)."""
+        try:
+            tokens = self._keeper.holders(self.name)
+        except Exception:  # noqa: BLE001 - the verdict stands without it
+            return ""
+        if not tokens:
+            return "nobody holds the name now"
+        return f"the name is held now by token{'s' if len(tokens) > 1 else ''} {', '.join(map(str, tokens))}"
 
     def __repr__(self) -> str:
         return f"<Lease {self.name!r} token={self.token} {self._status()}>"
@@ -254,7 +286,7 @@ class UpgradeableLease(Lease):
                     self._become(outcome, self._partner(), sent_at)
                 self._resume_renewal(renewing)
                 if outcome is None:
-                    self._lose()
+                    self._lose("an upgrade found it released or taken over")
                     raise LeaseLost(f"lease on {self.name!r} (token {self.token}) ended before it could upgrade")
                 if isinstance(outcome, Grant):
                     return self
@@ -288,7 +320,7 @@ class UpgradeableLease(Lease):
             self._resume_renewal(renewing)
             raise
         if back is None:
-            self._lose()
+            self._lose("a downgrade found it released or taken over")
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not downgraded")
         self._become(back, self._partner(), sent_at)
         self._resume_renewal(renewing)
@@ -338,9 +370,19 @@ class UpgradeableLease(Lease):
             )
             return
         if back is None:
-            self._lose()
+            self._lose("withdrawing its ask to upgrade found it released or taken over")
         elif back.token != self.token:
             self._become(back, self._keeper, sent_at)
+
+
+def _note(exc: BaseException | None, lost: str | None) -> None:
+    """A with-block failing with ``exc`` lost its lease too: say so in the log, and on ``exc`` (a note, Python 3.11+)."""
+    if exc is None or lost is None:
+        return
+    release_log.warning("%s (the block raised %s)", lost, type(exc).__name__)
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"dblock: {lost}")
 
 
 __all__ = ["Lease", "OnLost", "UpgradeableLease"]
