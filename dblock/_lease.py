@@ -52,7 +52,9 @@ class Lease(LeaseView):
     release keeps the lease instead of ending it (0: none); see ``release``.
     """
 
-    __slots__ = ("_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
+    __slots__ = (
+        "_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "_ended_as", "__weakref__",
+    )
 
     def __init__(
         self,
@@ -76,6 +78,9 @@ class Lease(LeaseView):
         hold = metrics.UNHELD if recorder is metrics.OFF else recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, Event)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
+        # Its first release's account (``_end_block``): why the holder could no longer rely on it then
+        # (None: it could), what the release said (None: unconfirmed), and the error if unconfirmed.
+        self._ended_as: tuple[str | None, bool | None, str] | None = None
 
     @property
     def locker(self) -> Any:
@@ -137,13 +142,23 @@ class Lease(LeaseView):
             return True  # an owner key's inner acquire: the outermost release ends the lease
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
+        # The first release's account, for the with-block's verdict: why the holder could no longer rely on the lease.
+        first = not self._state.released
+        lapse = self._lapse(self._renewal is not None) if first else None
         try:
-            return self._keeper.release(
+            ended = self._keeper.release(
                 self.name, self.owner, self.token, self._state, self._min_hold, self._renewal
             )
+        except Exception as error:
+            if first:
+                self._ended_as = (lapse, None, str(error))
+            raise
         finally:
             if self._renewal is not None:
                 self._keeper.renewer.drop(self._renewal)
+        if first:
+            self._ended_as = (lapse, ended, "")
+        return ended
 
     def start_renewal(
         self,
@@ -200,29 +215,31 @@ class Lease(LeaseView):
         self._end_block(exc, f"lease on {self.name!r} (token {self.token})")
 
     def _end_block(self, exc: BaseException | None, what: str) -> None:
-        """A with-block's end: release the lease, and raise LeaseLost if it was lost before the block
-        ended: the holder found it lost (renewal, an extend), its trusted time had run out, or the
-        release found it released or taken over. The lease is released all the same where it is
-        still this holder's. Not raised when the block released the lease itself (its ``release()``
-        said how it ended), nor over the block's own exception: that one goes on, the loss told
-        in a note on it and in the log."""
+        """A with-block's end: release the lease, and raise LeaseLost if it was lost while the block
+        ran, that is before its first release (the block's end, or the block's own ``release()``):
+        the holder found it lost (renewal, an extend), its trusted time had run out, or that release
+        found it released or taken over. The lease is released all the same where it is still this
+        holder's. The block's own exception, if it fails, goes on instead: the loss is told in a
+        note on it and in the log."""
         failing = exc is not None
         released_before = self._state.released
-        lapse = None if released_before else self._lapse(self._renewal is not None)
         try:
-            ended = self.release()
+            self.release()
         except Exception as error:
+            lapse = None if self._ended_as is None else self._ended_as[0]
+            lost = self._lost_in_block(what, lapse, None, str(error))
             if failing:
                 release_log.exception("could not release %r after an error in the with-block", self.name)
-                _note(exc, self._lost_in_block(what, lapse, None, str(error)))
+                _note(exc, lost)
                 return
-            lost = self._lost_in_block(what, lapse, None, str(error))
             if lost is None:  # nothing was lost: the release's own error is the news
                 raise
             raise LeaseLost(lost) from error
-        if released_before:
-            return
-        detail = "" if ended or failing else self._holders_now()
+        if self._ended_as is None:
+            return  # the inner release of a lease its owner key entered again: the lease goes on
+        lapse, ended, detail = self._ended_as
+        if ended is False and not (failing or released_before):
+            detail = self._holders_now()
         lost = self._lost_in_block(what, lapse, ended, detail)
         if lost is None:
             return

@@ -192,7 +192,7 @@ class LeaseView:
         if ended is False:
             said.append("the release found it released or taken over" + (f": {detail}" if detail else ""))
         elif ended:
-            said.append("nobody else was granted it meanwhile, and the block's end released it")
+            said.append("nobody else was granted it meanwhile, and it is released")
         else:
             said.append(f"its release could not be confirmed ({detail}) and goes on in the background")
         return f"{what} was lost before the with-block ended: " + "; ".join(said)
