@@ -211,16 +211,13 @@ class Lease(LeaseView):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Release; raise LeaseLost if the lease was lost before the block ended (see ``_end_block``)."""
-        self._end_block(exc, f"lease on {self.name!r} (token {self.token})")
-
-    def _end_block(self, exc: BaseException | None, what: str) -> None:
-        """A with-block's end: release the lease, and raise LeaseLost if it was lost while the block
-        ran, that is before its first release (the block's end, or the block's own ``release()``):
-        the holder found it lost (renewal, an extend), its trusted time had run out, or that release
-        found it released or taken over. The lease is released all the same where it is still this
-        holder's. The block's own exception, if it fails, goes on instead: the loss is told in a
-        note on it and in the log."""
+        """Release the lease, and raise LeaseLost if it was lost while the block ran, that is before
+        its first release (the block's end, or the block's own ``release()``): the holder found it
+        lost (renewal, an extend), its trusted time had run out, or that release found it released
+        or taken over. The lease is released all the same where it is still this holder's. The
+        block's own exception, if it fails, goes on instead: the loss is told in a note on it and
+        in the log."""
+        what = f"lease on {self.name!r} (token {self.token})"
         failing = exc is not None
         released_before = self._state.released
         try:
