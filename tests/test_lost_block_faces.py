@@ -54,7 +54,7 @@ class Blocker:
         db, t = self.db, self.db.table
         if db.backend == "sqlite":
             self.conn = sqlite3.connect(
-                make_url(db.url).database, isolation_level=None, timeout=30, check_same_thread=False
+                str(make_url(db.url).database), isolation_level=None, timeout=30, check_same_thread=False
             )
             self.conn.execute("BEGIN EXCLUSIVE")
         elif db.backend == "postgresql":
@@ -226,12 +226,13 @@ def test_a_block_that_outlived_its_ttl_unrenewed_raises_lease_lost_though_nobody
 @pytest.mark.parametrize("kind", ["exclusive", "reader"])
 def test_a_block_whose_lease_was_taken_over_says_who_holds_the_name_now(db: Db, kind: str) -> None:
     with make(db) as locker, make(db) as operator:
+        taker: Lease | None = None
         with pytest.raises(LeaseLost, match="the release found it released or taken over") as caught:
             with kind_lock(locker, kind, ttl=30) as lease:
                 (info,) = operator.leases("job")
                 assert operator.force_release(info) is True
                 taker = operator.try_acquire("job", ttl=30)
-                assert taker is not None
+        assert taker is not None
         assert f"the name is held now by token {taker.token}" in str(caught.value)
         taker.release()
 

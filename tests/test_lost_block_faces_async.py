@@ -60,7 +60,7 @@ class Blocker:
         db, t = self.db, self.db.table
         if db.backend == "sqlite":
             self.conn = sqlite3.connect(
-                make_url(db.url).database, isolation_level=None, timeout=30, check_same_thread=False
+                str(make_url(db.url).database), isolation_level=None, timeout=30, check_same_thread=False
             )
             self.conn.execute("BEGIN EXCLUSIVE")
         elif db.backend == "postgresql":
@@ -232,12 +232,13 @@ async def test_a_block_that_outlived_its_ttl_unrenewed_raises_lease_lost_though_
 @pytest.mark.parametrize("kind", ["exclusive", "reader"])
 async def test_a_block_whose_lease_was_taken_over_says_who_holds_the_name_now(db: Db, kind: str) -> None:
     async with make(db) as locker, make(db) as operator:
+        taker: AsyncLease | None = None
         with pytest.raises(LeaseLost, match="the release found it released or taken over") as caught:
             async with kind_lock(locker, kind, ttl=30) as lease:
                 (info,) = await operator.leases("job")
                 assert await operator.force_release(info) is True
                 taker = await operator.try_acquire("job", ttl=30)
-                assert taker is not None
+        assert taker is not None
         assert f"the name is held now by token {taker.token}" in str(caught.value)
         await taker.release()
 
