@@ -76,7 +76,7 @@ class AsyncLease(LeaseView):
         hold = metrics.UNHELD if recorder is metrics.OFF else recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, AEvent)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
-        # Its first release's account (``_end_block``): why the holder could no longer rely on it then
+        # Its first release's account (for ``__aexit__``): why the holder could no longer rely on it then
         # (None: it could), what the release said (None: unconfirmed), and the error if unconfirmed.
         self._ended_as: tuple[str | None, bool | None, str] | None = None
 

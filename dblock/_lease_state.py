@@ -164,8 +164,9 @@ class LeaseView:
         return max(0.0, self._state.trusted_until - time.monotonic())
 
     def _lapse(self, renewing: bool) -> str | None:
-        """At a with-block's end, before its release: why the holder can no longer rely on the lease
-        (it was found lost, or its trusted time ran out); None while it still can, or once released."""
+        """Before the lease's first release (a with-block's end, or a release inside it): why the holder
+        can no longer rely on the lease (it was found lost, or its trusted time ran out); None while it
+        still can, or once released."""
         state = self._state
         if state.released:
             return None
