@@ -207,10 +207,10 @@ def test_a_block_that_outlived_its_ttl_unrenewed_raises_lease_lost_though_nobody
     """No renewal, nobody else asks: the block ran on after its holder's trust ran out, so its work
     was unprotected by then, even though the name was never granted to anyone else."""
     with make(db) as locker:
-        pattern = r"its trusted time ran out at .* UTC, [\d.]+ s before the block ended \(ttl 1 s, not renewed\); " \
+        pattern = r"its trusted time ran out at .* UTC, [\d.]+ s before the block ended \(ttl 2 s, not renewed\); " \
                   r"nobody else was granted it meanwhile"
         with pytest.raises(LeaseLost, match=pattern):
-            with kind_lock(locker, kind, ttl=1) as lease:
+            with kind_lock(locker, kind, ttl=TTL) as lease:  # time to upgrade on a stalled machine
                 if kind == "upgraded":
                     lease.upgrade(timeout=5)
                 until(lambda: lease.remaining() == 0, "the lease's trust to run out")
