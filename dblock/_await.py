@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _process as process
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, asleep, aspawn, astop, running, shutdown_socket
+from ._faults import OutOfTime
 from .errors import Misconfigured
 
 if TYPE_CHECKING:
@@ -144,10 +145,13 @@ class AsyncListener:
             ident = (int(row[0]), str(row[1]))
         except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
             said = str(exc)
-            # Once per cause, not at every waiter's try; a misconfigured URL is the waiter's own error.
-            told = said == self._said or isinstance(exc, Misconfigured)
-            log.log(logging.DEBUG if told else logging.WARNING, "cannot LISTEN for lock hand-offs (%s); waiting by polling", said)
-            self._said = said
+            # Once per cause, not at every waiter's try. A misconfigured URL is the waiter's own error
+            # to raise, and a call out of time tried nothing: neither is a cause to tell.
+            quiet = said == self._said or isinstance(exc, (Misconfigured, OutOfTime))
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "cannot LISTEN for lock hand-offs (%s); waiting by polling", said)
+            if not isinstance(exc, OutOfTime):
+                self._said = said
             if conn is not None:
                 await _close(conn)
             with self._lock:

@@ -9,6 +9,7 @@ backoff, and threads of one process take turns (``_wait.Hotspot``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sqlite3
@@ -86,9 +87,15 @@ class SQLite(Backend):
         import aiosqlite  # noqa: PLC0415 - only the asyncio API on SQLite needs it
 
         cargs, cparams = self._aio_args
+        pending = aiosqlite.connect(*cargs, **cparams)
         try:
-            raw = await aiosqlite.connect(*cargs, **cparams)
+            raw = await pending
         except sqlite3.Error as exc:
+            # aiosqlite stops its worker thread then, which reports to this event loop as it ends:
+            # let it end while the loop runs (else, the loop closed, it fails with a traceback).
+            worker = getattr(pending, "_thread", None)
+            if worker is not None and worker.is_alive():
+                await asyncio.to_thread(worker.join, max(0.0, deadline - time.monotonic()))
             raise cannot_open(self.where, exc) from exc
         await raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         return raw
