@@ -13,7 +13,8 @@ from this module: a waiter is a task here, a thread there). Two ways to wait:
   waiters of this process for one name take turns, and only the head asks the
   database; never sleeping past the current lease's known end.
 
-Both ride out an outage until their deadline, and a reply that never came
+Both ride out an outage until their deadline (but not a ``Misconfigured``
+database: waiting would not mend the URL), and a reply that never came
 (the statement may have granted or queued us) is ended in the background
 (``_cleanup``). What an acquire got is a ``Granted``: the faces make their
 lease object of it.
@@ -32,7 +33,7 @@ from ._await import AsyncHotspot
 from ._core import OUTAGE_RETRY_MIN, Grant, Granted
 from ._faults import Busy, OutOfTime
 from ._process import new_owner
-from .errors import DatabaseUnavailable, DBLockError, LockNotAcquired
+from .errors import DatabaseUnavailable, DBLockError, LockNotAcquired, Misconfigured
 
 if True:  # ASYNC
     import asyncio
@@ -89,6 +90,7 @@ class AsyncAcquirer:
         self.poll_min = poll_min
         self.poll_max = poll_max
         self.hot = AsyncHotspot()  # this process's waiters for the exclusive lock, per name (polling)
+        self._outage_said: str | None = None  # the outage last logged: told once, not at every retry
         self.shared_hot = AsyncHotspot()  # and for shared leases, in lines of their own
 
     def new_try(
@@ -131,6 +133,12 @@ class AsyncAcquirer:
             return await work(*args)
         except OutOfTime:
             raise  # nothing was sent
+        except Misconfigured:
+            # Its connect failed: this statement was not sent. An earlier one of the wait may
+            # have gone unanswered (then end what it granted, should the database come back).
+            if attempt.sent and attempt.unsure:
+                self.abandon(name, attempt.owner, ttl, attempt.limit)
+            raise
         except (DatabaseUnavailable, LockNotAcquired) as exc:
             if attempt.sent and (attempt.unsure or isinstance(exc, DatabaseUnavailable)):
                 self.abandon(name, attempt.owner, ttl, attempt.limit)
@@ -220,9 +228,13 @@ class AsyncAcquirer:
                 me.clear()  # set again by a release in this process: try at once
                 try:
                     granted, wait = await self.attempt(name, attempt, ttl, self.verbs.bound(deadline), waiting=True)
+                    if outage is not None:
+                        self._outage_said = None  # it ended: the next one is told again
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except (Busy, OutOfTime):  # SQLite's other writer, or a busy pool, took all the time we had
                     granted, wait = None, None
+                except Misconfigured:
+                    raise  # not an outage: no wait mends it
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
                     granted, wait, outage, attempt.unsure = None, None, exc, True
                 if granted is not None:
@@ -276,11 +288,15 @@ class AsyncAcquirer:
                         name, owner, ttl, attempt.limit, ident, core.entry_lifetime(left), seq, verbs.bound(deadline),
                         label=attempt.label,
                     )
+                    if outage is not None:
+                        self._outage_said = None  # it ended: the next one is told again
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except OutOfTime:  # nothing was sent: out of time, not an outage
                     if time.monotonic() >= deadline:
                         break
                     continue
+                except Misconfigured:
+                    raise  # not an outage: no wait mends it
                 except DatabaseUnavailable as exc:  # ride it out until the deadline
                     outage = exc
                     if time.monotonic() >= deadline:
@@ -381,7 +397,11 @@ class AsyncAcquirer:
     async def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:
         """Sleep out a moment of an outage (never past ``deadline``); the next pause."""
         pause, later = core.outage_pause(delay, deadline - time.monotonic(), random.random())
-        log.info("database unavailable while waiting for %r (%s); retrying in %.3f s", name, exc, max(pause, 0))
+        said = str(exc)
+        # Once per cause (the next retry of any wait of this Locker saying the same logs at DEBUG).
+        level = logging.DEBUG if said == self._outage_said else logging.INFO
+        self._outage_said = said
+        log.log(level, "database unavailable while waiting for %r (%s); retrying in %.3f s", name, said, max(pause, 0))
         if pause > 0:
             await asleep(pause)
         return later

@@ -42,9 +42,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from . import _process as process
 from ._acompat import ACondition, AMutex, Armed, acond_wait, acut_at, afinished
 from ._core import IDLE, OPEN, WAIT, Result, pool_turn
-from ._faults import Busy, OutOfTime, first_line, pool_busy
+from ._faults import Busy, OutOfTime, Outdated, first_line, pool_busy
 from .backends.base import WRITER_WAIT_MS
-from .errors import DatabaseUnavailable
+from .errors import DatabaseUnavailable, DBLockError
 
 if True:  # ASYNC
     # The asyncio driver is the source: tools/async_to_sync.py writes the sync one from it.
@@ -265,8 +265,11 @@ class AsyncDriver:
                     sqlstate = getattr(exc, "sqlstate", None)
                     message = f"lost the connection to {self.where}: {first_line(exc)}"
                     raise DatabaseUnavailable(message, sqlstate=sqlstate) from exc
+                error = self.backend.translate(exc)
+                if isinstance(error, Outdated):
+                    error = await self._outdated(conn, error, deadline)
                 await self._checkin(conn)
-                raise self.backend.translate(exc) from exc
+                raise error from exc
             except BaseException:
                 if timer is not None:
                     timer.cancel()
@@ -295,6 +298,21 @@ class AsyncDriver:
         else:
             rows = await self._execute(conn, sql, params)
         return rows, await self._execute(conn, then, params) if then is not None and not rows else []
+
+    async def _outdated(self, conn: _AConn, error: Outdated, deadline: float) -> DBLockError:
+        """A statement found a function or a column of dblock's missing: ``error`` (a table of an
+        older dblock) if the table is there, else that it does not exist. Asked on the same
+        connection, within the call's deadline; if the question fails, ``error`` stands."""
+        sql, params = self.backend.table_check()
+        timer = acut_at(conn, deadline) if self._cut else None
+        try:
+            rows = await self._execute(conn, sql, params)
+        except self._errors:
+            return error
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return error if not rows or rows[0][0] else self.backend.no_table(error.sqlstate)
 
     async def _busy_timeout(self, conn: _AConn, deadline: float) -> None:
         # Set for every call: how long this call may wait for another writer.

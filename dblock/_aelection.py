@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from . import _core as core
 from ._lease_state import Leader
 from ._validate import check_interval, check_text
-from .errors import LeaseLost
+from .errors import LeaseLost, Misconfigured
 from .schema import LABEL_LENGTH
 
 if TYPE_CHECKING:
@@ -255,6 +255,8 @@ class AsyncElection:
             return None
         try:
             return await self._watch(self._channel, time.monotonic() + self.locker.op_timeout)
+        except Misconfigured:
+            raise  # every look would fail the same way: say so now
         except Exception as exc:  # noqa: BLE001 - no notifications: observe looks every interval
             log.warning("cannot LISTEN for the leaders of %r (%s); looking every interval instead", self.name, exc)
             return None

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _process as process
 from ._acompat import AEvent, AMutex, Worker, aevent_wait, asleep, aspawn, astop, running, shutdown_socket
+from ._faults import OutOfTime
+from .errors import Misconfigured
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -83,6 +85,7 @@ class AsyncListener:
         self._stop = False
         self._starting = False  # a waiter is connecting the listener (outside the lock)
         self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
+        self._said: str | None = None  # why the last start failed, as logged
         self._reader: AsyncSlot | None = None  # threads: the waiter reading the connection now
         if True:  # ASYNC
             pass
@@ -141,7 +144,14 @@ class AsyncListener:
             row = await cur.fetchone()
             ident = (int(row[0]), str(row[1]))
         except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
-            log.warning("cannot LISTEN for lock hand-offs (%s); waiting by polling", exc)
+            said = str(exc)
+            # Once per cause, not at every waiter's try. A misconfigured URL is the waiter's own error
+            # to raise, and a call out of time tried nothing: neither is a cause to tell.
+            quiet = said == self._said or isinstance(exc, (Misconfigured, OutOfTime))
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "cannot LISTEN for lock hand-offs (%s); waiting by polling", said)
+            if not isinstance(exc, OutOfTime):
+                self._said = said
             if conn is not None:
                 await _close(conn)
             with self._lock:
@@ -150,6 +160,7 @@ class AsyncListener:
             return
         with self._lock:
             self._starting = False
+            self._said = None
             stale = self._stop or self._pid != process.pid  # closed (or forked) while connecting
             if not stale:
                 self._conn, self._ident = conn, ident
@@ -407,6 +418,7 @@ class AsyncHeartbeat:
                 self._waiting -= 1
 
     async def _run(self) -> None:
+        said: str | None = None  # the failure last logged: told once, not at every beat
         while True:
             await asleep(self._interval)
             with self._lock:
@@ -415,8 +427,11 @@ class AsyncHeartbeat:
                     return
             try:
                 await self._beat()
+                said = None
             except Exception as exc:  # noqa: BLE001 - the database is away: waiters ride it out, so do we
-                log.info("could not refresh this process's waiters (%s); retrying", exc)
+                level = logging.DEBUG if str(exc) == said else logging.INFO
+                said = str(exc)
+                log.log(level, "could not refresh this process's waiters (%s); retrying", said)
 
     async def close(self) -> None:
         """Stop beating now (the worker would end by itself an interval after the last waiter)."""

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from . import _process as process
 from ._acompat import Condition, Mutex, Armed, cond_wait, cut_at, finished
 from ._core import IDLE, OPEN, WAIT, Result, pool_turn
-from ._faults import Busy, OutOfTime, first_line, pool_busy
+from ._faults import Busy, OutOfTime, Outdated, first_line, pool_busy
 from .backends.base import WRITER_WAIT_MS
-from .errors import DatabaseUnavailable
+from .errors import DatabaseUnavailable, DBLockError
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -249,8 +249,11 @@ class Driver:
                     sqlstate = getattr(exc, "sqlstate", None)
                     message = f"lost the connection to {self.where}: {first_line(exc)}"
                     raise DatabaseUnavailable(message, sqlstate=sqlstate) from exc
+                error = self.backend.translate(exc)
+                if isinstance(error, Outdated):
+                    error = self._outdated(conn, error, deadline)
                 self._checkin(conn)
-                raise self.backend.translate(exc) from exc
+                raise error from exc
             except BaseException:
                 if timer is not None:
                     timer.cancel()
@@ -276,6 +279,21 @@ class Driver:
         else:
             rows = self._execute(conn, sql, params)
         return rows, self._execute(conn, then, params) if then is not None and not rows else []
+
+    def _outdated(self, conn: _Conn, error: Outdated, deadline: float) -> DBLockError:
+        """A statement found a function or a column of dblock's missing: ``error`` (a table of an
+        older dblock) if the table is there, else that it does not exist. Asked on the same
+        connection, within the call's deadline; if the question fails, ``error`` stands."""
+        sql, params = self.backend.table_check()
+        timer = cut_at(conn, deadline) if self._cut else None
+        try:
+            rows = self._execute(conn, sql, params)
+        except self._errors:
+            return error
+        finally:
+            if timer is not None:
+                timer.cancel()
+        return error if not rows or rows[0][0] else self.backend.no_table(error.sqlstate)
 
     def _busy_timeout(self, conn: _Conn, deadline: float) -> None:
         # Set for every call: how long this call may wait for another writer.

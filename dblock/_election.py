@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Callable
 from . import _core as core
 from ._lease_state import Leader
 from ._validate import check_interval, check_text
-from .errors import LeaseLost
+from .errors import LeaseLost, Misconfigured
 from .schema import LABEL_LENGTH
 
 if TYPE_CHECKING:
@@ -257,6 +257,8 @@ class Election:
             return None
         try:
             return self._watch(self._channel, time.monotonic() + self.locker.op_timeout)
+        except Misconfigured:
+            raise  # every look would fail the same way: say so now
         except Exception as exc:  # noqa: BLE001 - no notifications: observe looks every interval
             log.warning("cannot LISTEN for the leaders of %r (%s); looking every interval instead", self.name, exc)
             return None

@@ -7,7 +7,7 @@ import shlex
 from sqlalchemy.exc import DBAPIError
 
 from ._redact import MASK
-from .errors import DatabaseUnavailable
+from .errors import DatabaseUnavailable, SchemaMissing
 from .schema import DEFAULT_TABLE
 
 
@@ -20,6 +20,28 @@ class OutOfTime(DatabaseUnavailable):
     or no time left): nothing reached the database, so nothing is in doubt."""
 
     timed_out = True
+
+
+class Outdated(SchemaMissing):
+    """A statement found one of dblock's objects missing (a function, a column) that a table of an
+    older dblock lacks: the table may be of an older dblock, or not there at all (the driver asks)."""
+
+
+def no_table(where: str, table: str, schema: str | None, sqlstate: str | None = None) -> SchemaMissing:
+    """dblock's table is not in this database: the message says so, and the command that makes it."""
+    return SchemaMissing(
+        f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}",
+        sqlstate=sqlstate,
+    )
+
+
+def outdated(where: str, table: str, schema: str | None, reason: str, sqlstate: str | None = None) -> Outdated:
+    """dblock's table lacks what this dblock needs (``reason``, the database's words)."""
+    return Outdated(
+        f"dblock's table {table!r} in {where} is from an older dblock ({reason}): "
+        f"{missing_schema_hint(where, table, schema, upgrade=True)}",
+        sqlstate=sqlstate,
+    )
 
 
 def pool_busy(size: int, where: str, owner: str) -> OutOfTime:

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import _process as process
 from ._acompat import Event, Mutex, Worker, event_wait, sleep, spawn, stop, running, shutdown_socket
+from ._faults import OutOfTime
+from .errors import Misconfigured
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -85,6 +87,7 @@ class Listener:
         self._stop = False
         self._starting = False  # a waiter is connecting the listener (outside the lock)
         self._next_start = 0.0  # after a failed start, no new try before this (monotonic)
+        self._said: str | None = None  # why the last start failed, as logged
         self._reader: Slot | None = None  # threads: the waiter reading the connection now
         self._tick = Event()  # wakes the listener thread at once: close()
         self._pid = process.pid
@@ -137,7 +140,14 @@ class Listener:
             row = cur.fetchone()
             ident = (int(row[0]), str(row[1]))
         except Exception as exc:  # noqa: BLE001 - no listener: waiters poll instead
-            log.warning("cannot LISTEN for lock hand-offs (%s); waiting by polling", exc)
+            said = str(exc)
+            # Once per cause, not at every waiter's try. A misconfigured URL is the waiter's own error
+            # to raise, and a call out of time tried nothing: neither is a cause to tell.
+            quiet = said == self._said or isinstance(exc, (Misconfigured, OutOfTime))
+            level = logging.DEBUG if quiet else logging.WARNING
+            log.log(level, "cannot LISTEN for lock hand-offs (%s); waiting by polling", said)
+            if not isinstance(exc, OutOfTime):
+                self._said = said
             if conn is not None:
                 _close(conn)
             with self._lock:
@@ -146,6 +156,7 @@ class Listener:
             return
         with self._lock:
             self._starting = False
+            self._said = None
             stale = self._stop or self._pid != process.pid  # closed (or forked) while connecting
             if not stale:
                 self._conn, self._ident = conn, ident
@@ -368,6 +379,7 @@ class Heartbeat:
                 self._waiting -= 1
 
     def _run(self) -> None:
+        said: str | None = None  # the failure last logged: told once, not at every beat
         while True:
             sleep(self._interval)
             with self._lock:
@@ -376,8 +388,11 @@ class Heartbeat:
                     return
             try:
                 self._beat()
+                said = None
             except Exception as exc:  # noqa: BLE001 - the database is away: waiters ride it out, so do we
-                log.info("could not refresh this process's waiters (%s); retrying", exc)
+                level = logging.DEBUG if str(exc) == said else logging.INFO
+                said = str(exc)
+                log.log(level, "could not refresh this process's waiters (%s); retrying", said)
 
     def close(self) -> None:
         """Stop beating now (the worker would end by itself an interval after the last waiter)."""

@@ -38,7 +38,7 @@ from ._validate import (
     check_identifier, check_limit, check_min_hold, check_name, check_text, check_timeout, check_ttl, human_seconds,
     parse_duration,
 )
-from .errors import DBLockError, LockNotAcquired, PermissionDenied
+from .errors import DBLockError, LockNotAcquired, Misconfigured, PermissionDenied
 from .lease import Lease, LeaseInfo
 from .locker import Locker
 from .renew import Overdue, call_within
@@ -50,6 +50,7 @@ EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the database failed (unreachable, table
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: a bug in dblock; the traceback is on stderr
 EXIT_BUSY = 75  # EX_TEMPFAIL: the lock is held by someone else; try again later
 EXIT_LOST = 76  # the lease was lost while the command ran; the command was stopped
+EXIT_CONFIG = 78  # EX_CONFIG: the database cannot be reached as the URL says (no such host, refused login, ...)
 EXIT_CANNOT_RUN = 126  # the command was found but could not be started (as in the shell)
 EXIT_NOT_FOUND = 127  # the command was not found (as in the shell)
 
@@ -68,7 +69,8 @@ exit codes:
            {EXIT_NOT_FOUND} command not found; {EXIT_CANNOT_RUN} command not executable
   status   0; with NAME, {EXIT_NOT_HELD} if NAME is not held
   release  0 released; {EXIT_NOT_HELD} nothing released
-  all      {EXIT_USAGE} bad arguments; {EXIT_UNAVAILABLE} database error; {EXIT_SOFTWARE} internal error
+  all      {EXIT_USAGE} bad arguments; {EXIT_UNAVAILABLE} database error; {EXIT_SOFTWARE} internal error;
+           {EXIT_CONFIG} the database cannot be reached as configured (bad host, login, database or path)
 
 environment:
   DBLOCK_URL   database URL when --url is not given (default: the embedded SQLite file)
@@ -314,7 +316,7 @@ def _main(argv: list[str]) -> int:
         return handler(args, sub)
     except (DBLockError, SQLAlchemyError, psycopg.Error, sqlite3.Error, OSError) as exc:
         print(f"dblock: {_first_line(exc)}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return EXIT_CONFIG if isinstance(exc, Misconfigured) else EXIT_UNAVAILABLE
 
 
 def _locker(args: argparse.Namespace, parser: argparse.ArgumentParser, label: str | None = None) -> Locker:

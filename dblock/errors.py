@@ -79,6 +79,22 @@ class DatabaseUnavailable(DBLockError):
     """
 
 
+class Misconfigured(DatabaseUnavailable):
+    """The database cannot be reached as the URL says, and waiting will not change that.
+
+    Its host name does not resolve, nothing listens at its address (and this
+    Locker never reached a server there), the server refused the user or the
+    password, the database does not exist, or the SQLite file cannot be opened
+    (a directory, or in a directory that does not exist). Every call raises it
+    as soon as its connect fails, within ``op_timeout``, whatever the call's
+    own ``timeout``: a waiting acquire does not wait it out as it would an
+    outage. The message names the cause; a password in it is masked.
+
+    A subclass of ``DatabaseUnavailable``, so ``except DatabaseUnavailable``
+    catches it too.
+    """
+
+
 class PermissionDenied(DBLockError):
     """The database role lacks a privilege dblock needs; the message names it."""
 

@@ -3,8 +3,9 @@
 ``start(backend_url, pool_size=4)`` runs Debian's ``/usr/sbin/pgbouncer`` (1.18
 there) on a free 127.0.0.1 port with its own config, log and pid files in a
 temporary directory, and stops it when the ``with`` block ends. Clients log in
-as any user (``auth_type = any``): pgbouncer itself logs into the server as the
-backend URL's user. ``pool_size`` server connections serve every client, so
+as any user (``auth_type = any``), or, given ``password``, only as the backend URL's
+user with that password (SCRAM, checked by pgbouncer): pgbouncer itself logs into the
+server as the backend URL's user. ``pool_size`` server connections serve every client, so
 sessions really are shared between clients, one transaction at a time.
 """
 
@@ -123,8 +124,11 @@ def _run_as(host: str) -> str | None:
 
 
 @contextlib.contextmanager
-def start(backend_url: str, *, pool_size: int = 4, timeout: float = 30.0) -> Iterator[PgBouncer]:
-    """Run pgbouncer in transaction mode before ``backend_url`` until the block ends."""
+def start(
+    backend_url: str, *, pool_size: int = 4, timeout: float = 30.0, password: str | None = None
+) -> Iterator[PgBouncer]:
+    """Run pgbouncer in transaction mode before ``backend_url`` until the block ends (``password``:
+    clients must give it, and a wrong one is refused)."""
     exe = binary()
     if exe is None:
         raise FileNotFoundError(MISSING)
@@ -137,6 +141,14 @@ def start(backend_url: str, *, pool_size: int = 4, timeout: float = 30.0) -> Ite
         os.chown(workdir, entry.pw_uid, entry.pw_gid)
     log = workdir / "pgbouncer.log"
     target = " ".join(f"{k}={_quote(v)}" for k, v in keys.items())
+    auth = "auth_type = any\n"
+    if password is not None:
+        users = workdir / "users.txt"
+        users.write_text(f'"{keys["user"]}" "{password}"\n')
+        users.chmod(0o600)
+        if user is not None:
+            os.chown(users, pwd.getpwnam(user).pw_uid, -1)
+        auth = f"auth_type = scram-sha-256\nauth_file = {users}\n"
     proc: subprocess.Popen[bytes] | None = None
     try:
         for _ in range(5):  # another process may take the free port before pgbouncer binds it
@@ -149,7 +161,7 @@ def start(backend_url: str, *, pool_size: int = 4, timeout: float = 30.0) -> Ite
                 "listen_addr = 127.0.0.1\n"
                 f"listen_port = {port}\n"
                 "unix_socket_dir =\n"  # TCP only: no socket file in /tmp to collide with
-                "auth_type = any\n"
+                f"{auth}"
                 f"admin_users = {keys['user']}\n"
                 "pool_mode = transaction\n"
                 f"default_pool_size = {pool_size}\n"
@@ -162,13 +174,16 @@ def start(backend_url: str, *, pool_size: int = 4, timeout: float = 30.0) -> Ite
                 os.chown(config, pwd.getpwnam(user).pw_uid, -1)
             command = [exe, *(["-u", user] if user is not None else []), str(config)]
             proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            if _wait_ready(proc, port, keys, timeout):
+            if _wait_ready(proc, port, keys, timeout, password):
                 break
             proc.wait()
             proc = None
         if proc is None:
             raise RuntimeError(f"pgbouncer did not start; its log:\n{_tail(log)}")
-        url = URL.create("postgresql+psycopg", username=keys["user"], host="127.0.0.1", port=port, database=keys["dbname"])
+        url = URL.create(
+            "postgresql+psycopg", username=keys["user"], password=password, host="127.0.0.1", port=port,
+            database=keys["dbname"],
+        )
         yield PgBouncer(url.render_as_string(hide_password=False), port, keys["dbname"], keys["user"], pool_size, log)
     finally:
         if proc is not None:
@@ -181,13 +196,16 @@ def start(backend_url: str, *, pool_size: int = 4, timeout: float = 30.0) -> Ite
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, keys: dict[str, str], timeout: float) -> bool:
+def _wait_ready(
+    proc: subprocess.Popen[bytes], port: int, keys: dict[str, str], timeout: float, password: str | None = None
+) -> bool:
     """True once a query goes through pgbouncer to the server; False if pgbouncer exited."""
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         try:
             with psycopg.connect(
-                host="127.0.0.1", port=port, dbname=keys["dbname"], user=keys["user"], connect_timeout=5
+                host="127.0.0.1", port=port, dbname=keys["dbname"], user=keys["user"], password=password,
+                connect_timeout=5,
             ) as conn:
                 conn.execute("SELECT 1", prepare=False)
             return True

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Sequence
 
 from .. import _core as core
 from .._core import Grant, Miss, Queued, Rows
-from ..errors import DBLockError
+from .._faults import no_table
+from ..errors import DBLockError, SchemaMissing
 from ..schema import SHARED_OWNER
 
 if TYPE_CHECKING:
@@ -163,6 +164,8 @@ class Backend:
         # a statement prepared on one server session may be run by another
         # client's session with that client's parameters.
         self.prepare = prepare
+        # A connect succeeded once: a refused connection since is the server away, not the URL.
+        self.reached = False
         self.sql = self.statements(engine.dialect, table, schema)
         self._queue = self.queue_statements(engine.dialect, table, schema) if self.caps.fair_queue else None
 
@@ -288,6 +291,16 @@ class Backend:
     def is_broken(self, raw: Any) -> bool:
         """Whether the connection broke under the statement (the server went away)."""
         return False
+
+    def table_check(self) -> tuple[str, dict[str, Any]]:
+        """A statement (and its binds) whose one row's first value is true if dblock's table exists:
+        asked when a statement found a function or column missing, to tell a table of an older
+        dblock from no table at all."""
+        raise NotImplementedError
+
+    def no_table(self, sqlstate: str | None = None) -> SchemaMissing:
+        """The error that says dblock's table is not in this database, and how to make it."""
+        return no_table(self.where, self.table, self.schema, sqlstate)
 
     def translate(self, exc: BaseException) -> DBLockError:
         """A driver error of a lock statement as dblock's own."""

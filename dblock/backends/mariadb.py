@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import socket
 import time
 from typing import Any, ClassVar, Sequence
 
@@ -53,9 +54,9 @@ from sqlalchemy.pool import NullPool
 
 from .. import _core as core
 from .._core import Grant, Miss, Rows
-from .._faults import OutOfTime, first_line, missing_schema_hint
+from .._faults import OutOfTime, first_line, no_table, outdated
 from .._redact import display_url
-from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
+from ..errors import DatabaseUnavailable, DBLockError, Misconfigured, PermissionDenied
 from ..schema import holders_table_name
 from .base import SHARED as _SHARED
 from .base import Backend, Capabilities, Statements, json_batch, leases_statement, owned_token, shared_grant
@@ -83,6 +84,10 @@ _OUTAGE = {1040, 1053, 1077, 1152, 1158, 1159, 1160, 1161, 2002, 2003, 2006, 201
 _PRIVILEGE = {1044, 1045, 1142, 1143, 1227, 1370}
 _NO_TABLE = {1146}
 _NO_COLUMN = {1054, 1305}
+_REFUSED_LOGIN = {1045, 1698}  # access denied for user (using password: ...), and for a socket-only user
+_UNKNOWN_DATABASE = 1049
+_UNKNOWN_HOST = 2005  # the C client's; PyMySQL says 2003 with the resolver's error under it
+_CANNOT_CONNECT = 2003
 MIN_VERSION = (10, 6)
 # The driver's connect keywords a URL's query may carry (anything else is a typo, refused up front).
 _CONNECT_KEYWORDS = {
@@ -183,7 +188,8 @@ class MariaDB(Backend):
                 _no_server_retry(cursor)
             raw.unbounded()
         except pymysql.MySQLError as exc:
-            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
+            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc, self.reached) from exc
+        self.reached = True
         check_server(raw.get_server_info(), self.where)
         return raw
 
@@ -221,7 +227,7 @@ class MariaDB(Backend):
                 aiomysql.connect(**params, connect_timeout=max(0.001, left)), max(0.001, left)
             )
         except (pymysql.MySQLError, OSError) as exc:
-            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
+            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc, self.reached) from exc
         except asyncio.TimeoutError:
             raise DatabaseUnavailable(f"cannot connect to {self.where}: no answer within {left:.3g} s") from None
         raw.__class__ = _AsyncConnection
@@ -241,10 +247,11 @@ class MariaDB(Backend):
             await asyncio.wait_for(session(), max(0.001, deadline - time.monotonic()))
         except (pymysql.MySQLError, OSError) as exc:
             raw.close()
-            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc) from exc
+            raise unavailable(f"cannot connect to {self.where}: {first_line(exc)}", exc, self.reached) from exc
         except asyncio.TimeoutError:
             raw.close()
             raise DatabaseUnavailable(f"cannot connect to {self.where}: no answer within the call's time") from None
+        self.reached = True
         check_server(raw.get_server_info(), self.where)
         return raw
 
@@ -272,6 +279,12 @@ class MariaDB(Backend):
 
     def is_broken(self, raw: Any) -> bool:
         return not raw.open
+
+    def table_check(self) -> tuple[str, dict[str, Any]]:
+        return (
+            "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %(t)s",
+            {"t": self.table},
+        )
 
     def translate(self, exc: BaseException) -> DBLockError:
         return translate(exc, self.where, self.table, self.schema)
@@ -512,22 +525,45 @@ async def _aabandon(cursor: Any) -> None:
         pass
 
 
-def unavailable(message: str, exc: BaseException) -> DBLockError:
+def unavailable(message: str, exc: BaseException, reached: bool = True) -> DBLockError:
+    """The error of a failed connect; ``reached``: a connect of this Locker's succeeded before
+    (a refused connection is then the server away, not the URL)."""
+    cause = misconfiguration(exc, reached)
+    if cause is not None:
+        under = getattr(exc, "original_exception", None) or exc.__cause__  # aiomysql's message omits it
+        if under is not None and str(under) not in message:
+            message = f"{message} ({under})"
+        return Misconfigured(f"{message} ({cause}: not retried)")
     if _code(exc) in _PRIVILEGE:
         return PermissionDenied(message)
     return DatabaseUnavailable(message)
+
+
+def misconfiguration(exc: BaseException, reached: bool) -> str | None:
+    """Why a failed connect will fail again however long one waits (None: it may be an outage)."""
+    code = _code(exc)
+    if code in _REFUSED_LOGIN:
+        return "the server refused the user or password"
+    if code == _UNKNOWN_DATABASE:
+        return "the database does not exist"
+    if code == _UNKNOWN_HOST:
+        return "the host name does not resolve"
+    if code == _CANNOT_CONNECT:
+        under = getattr(exc, "original_exception", None) or exc.__cause__
+        if isinstance(under, socket.gaierror):
+            return "the host name does not resolve"
+        if isinstance(under, (ConnectionRefusedError, FileNotFoundError)) and not reached:
+            return "nothing listens there, and this Locker never reached it"
+    return None
 
 
 def translate(exc: BaseException, where: str, table: str, schema: str | None = None) -> DBLockError:
     """A PyMySQL error of a lock statement as dblock's own."""
     code = _code(exc)
     if code in _NO_TABLE:
-        return SchemaMissing(f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}")
+        return no_table(where, table, schema)
     if code in _NO_COLUMN:
-        return SchemaMissing(
-            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{missing_schema_hint(where, table, schema, upgrade=True)}"
-        )
+        return outdated(where, table, schema, first_line(exc))  # or no table at all: the driver asks
     if code in _PRIVILEGE:
         return PermissionDenied(
             f"{where}: {first_line(exc)} (grant the privileges listed at "

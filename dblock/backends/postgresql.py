@@ -32,9 +32,9 @@ from sqlalchemy.pool import NullPool
 
 from .. import _core as core
 from .._core import Grant, Miss, Queued, Rows
-from .._faults import OutOfTime, first_line, missing_schema_hint
+from .._faults import OutOfTime, first_line, no_table, outdated
 from .._redact import display_url
-from ..errors import DatabaseUnavailable, DBLockError, PermissionDenied, SchemaMissing
+from ..errors import DatabaseUnavailable, DBLockError, Misconfigured, PermissionDenied
 from ..schema import (
     LISTENER_LOCK,
     holders_table_name,
@@ -165,12 +165,15 @@ class PostgreSQL(Backend):
         attempts = host_attempts(self._params)
         for kwargs in connect_plan(attempts, deadline, self.where):
             try:
-                return psycopg.Connection.connect(
+                raw = psycopg.Connection.connect(
                     autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
                 )
             except psycopg.Error as exc:
                 failed.append(exc)
-        raise connect_failed(self.where, failed, len(attempts))
+            else:
+                self.reached = True
+                return raw
+        raise connect_failed(self.where, failed, len(attempts), self.reached)
 
     # -- statements: through libpq, as psycopg's cursor would send them ------------------
     # A pooled connection's statements skip psycopg's cursor: what it does per call in
@@ -231,7 +234,7 @@ class PostgreSQL(Backend):
             # each host to its share of the time left exactly.
             share = max(0.001, (deadline - time.monotonic()) / (len(attempts) - i))
             try:
-                return await asyncio.wait_for(
+                raw = await asyncio.wait_for(
                     psycopg.AsyncConnection.connect(
                         autocommit=True, prepare_threshold=5 if self.prepare else None, **kwargs
                     ),
@@ -241,7 +244,10 @@ class PostgreSQL(Backend):
                 failed.append(exc)
             except asyncio.TimeoutError:
                 failed.append(psycopg.OperationalError(f"no answer within {share:.3g} s (connect)"))
-        raise connect_failed(self.where, failed, len(attempts))
+            else:
+                self.reached = True
+                return raw
+        raise connect_failed(self.where, failed, len(attempts), self.reached)
 
     async def aexecute(self, session: Session, sql: str, params: dict[str, Any]) -> list[Sequence[Any]]:
         text, values, types, name, new = self._call(session, sql, params)
@@ -314,6 +320,11 @@ class PostgreSQL(Backend):
 
     def translate(self, exc: BaseException) -> DBLockError:
         return translate(exc, self.where, self.table, self.schema)
+
+    def table_check(self) -> tuple[str, dict[str, Any]]:
+        quote = self.engine.dialect.identifier_preparer.quote
+        name = (quote(self.schema) + "." if self.schema else "") + quote(self.table)
+        return "SELECT to_regclass(%(t)s::text) IS NOT NULL", {"t": name}
 
     # -- fencing -------------------------------------------------------------
     @classmethod
@@ -467,15 +478,9 @@ def translate(exc: BaseException, where: str, table: str, schema: str | None = N
     """A psycopg error of a lock statement as dblock's own."""
     sqlstate = getattr(exc, "sqlstate", None)
     if isinstance(exc, psycopg.errors.UndefinedTable):
-        return SchemaMissing(
-            f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}", sqlstate=sqlstate
-        )
+        return no_table(where, table, schema, sqlstate)
     if isinstance(exc, (psycopg.errors.UndefinedColumn, psycopg.errors.UndefinedFunction)):
-        return SchemaMissing(
-            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{missing_schema_hint(where, table, schema, upgrade=True)}",
-            sqlstate=sqlstate,
-        )
+        return outdated(where, table, schema, first_line(exc), sqlstate)  # or no table at all: the driver asks
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):
         return PermissionDenied(
             f"{where}: {first_line(exc)} (grant the privileges listed at "
@@ -537,15 +542,58 @@ def connect_plan(attempts: list[dict[str, Any]], deadline: float, where: str) ->
         yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))}
 
 
-def connect_failed(where: str, failed: list[psycopg.Error], hosts: int) -> DBLockError:
-    """The error for a connect whose every attempt (``failed``) failed."""
+def connect_failed(where: str, failed: list[psycopg.Error], hosts: int, reached: bool = False) -> DBLockError:
+    """The error for a connect whose every attempt (``failed``) failed; ``reached``: a connect of
+    this Locker's succeeded before (a refused connection is then an outage, not the URL)."""
     if not failed:
         return OutOfTime(f"no time left to connect to {where}")
     reasons = "; ".join(dict.fromkeys(first_line(exc) for exc in failed))
     tried = f" ({len(failed)} of {hosts} hosts tried)" if hosts > 1 else ""
-    exc = unavailable(f"cannot connect to {where}{tried}: {reasons}", failed[-1])
+    message = f"cannot connect to {where}{tried}: {reasons}"
+    causes = [cause for cause in (misconfiguration(exc, reached) for exc in failed) if cause is not None]
+    exc: DBLockError
+    if len(causes) == len(failed) == hosts:
+        # Every host was tried and each will say the same again: waiting would not help.
+        exc = Misconfigured(f"{message} ({'; '.join(dict.fromkeys(causes))}: not retried)")
+    else:
+        exc = unavailable(message, failed[-1])
     exc.__cause__ = failed[-1]
     return exc
+
+
+# What libpq and the server say at connect when the URL (or the server's settings for it) is
+# wrong: retrying cannot help. The server's words are those of its lc_messages (English by
+# default); a message in another language is taken for an outage, as before.
+_MISCONFIGURED = [
+    (re.compile(r"failed to resolve host|could not translate host name", re.I), "the host name does not resolve"),
+    (
+        re.compile(r"password authentication failed|authentication failed|no password supplied|"
+                   r"no pg_hba\.conf entry|role \S+ does not exist|is not permitted to log in", re.I),
+        "the server refused the user or password",
+    ),
+    (re.compile(r"database \S+ does not exist", re.I), "the database does not exist"),
+]
+_REFUSED = re.compile(r"connection refused|failed: No such file or directory", re.I)
+_MISCONFIGURED_SQLSTATES = {"28000": "the server refused the user or password", "28P01": "the server refused the user or password",
+                            "3D000": "the database does not exist"}
+
+
+def misconfiguration(exc: BaseException, reached: bool) -> str | None:
+    """Why a failed connect will fail again however long one waits (None: it may be an outage).
+
+    A refused connection (nothing listens at the address, or no socket file) counts only
+    while this Locker never reached the server (``reached``): after that it is the server
+    restarting or going away, which a wait rides out."""
+    cause = _MISCONFIGURED_SQLSTATES.get(getattr(exc, "sqlstate", None) or "")
+    if cause is not None:
+        return cause
+    text = str(exc)
+    for pattern, what in _MISCONFIGURED:
+        if pattern.search(text):
+            return what
+    if not reached and _REFUSED.search(text):
+        return "nothing listens there, and this Locker never reached it"
+    return None
 
 
 def _conninfo_args(cargs: Sequence[Any]) -> dict[str, Any]:

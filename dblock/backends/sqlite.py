@@ -9,6 +9,7 @@ backoff, and threads of one process take turns (``_wait.Hotspot``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import sqlite3
@@ -23,8 +24,8 @@ from sqlalchemy.pool import NullPool
 
 from .. import _core as core
 from .._core import Grant, Miss, Rows
-from .._faults import Busy, first_line, missing_schema_hint
-from ..errors import DatabaseUnavailable, DBLockError, SchemaMissing
+from .._faults import Busy, first_line, no_table, outdated
+from ..errors import DatabaseUnavailable, DBLockError, Misconfigured
 from ..schema import default_sqlite_path, holders_table_name
 from .base import SHARED as _SHARED
 from .base import WRITER_WAIT_MS, Backend, Capabilities, Statements, json_batch, leases_statement, owned_token, shared_grant
@@ -70,7 +71,7 @@ class SQLite(Backend):
         try:
             fairy = self.engine.raw_connection()
         except (SQLAlchemyError, sqlite3.Error) as exc:
-            raise DatabaseUnavailable(f"cannot open {self.where}: {first_line(exc)}") from exc
+            raise cannot_open(self.where, exc) from exc
         # Our own connection from now on: not returned to (or reset by) the engine's pool.
         raw: Any = fairy.driver_connection
         fairy.detach()
@@ -86,10 +87,16 @@ class SQLite(Backend):
         import aiosqlite  # noqa: PLC0415 - only the asyncio API on SQLite needs it
 
         cargs, cparams = self._aio_args
+        pending = aiosqlite.connect(*cargs, **cparams)
         try:
-            raw = await aiosqlite.connect(*cargs, **cparams)
+            raw = await pending
         except sqlite3.Error as exc:
-            raise DatabaseUnavailable(f"cannot open {self.where}: {first_line(exc)}") from exc
+            # aiosqlite stops its worker thread then, which reports to this event loop as it ends:
+            # let it end while the loop runs (else, the loop closed, it fails with a traceback).
+            worker = getattr(pending, "_thread", None)
+            if worker is not None and worker.is_alive():
+                await asyncio.to_thread(worker.join, max(0.0, deadline - time.monotonic()))
+            raise cannot_open(self.where, exc) from exc
         await raw.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         return raw
 
@@ -108,6 +115,9 @@ class SQLite(Backend):
 
     def translate(self, exc: BaseException) -> DBLockError:
         return translate(exc, self.where, self.table, self.schema)
+
+    def table_check(self) -> tuple[str, dict[str, Any]]:
+        return "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = :t", {"t": self.table}
 
     # -- fencing -------------------------------------------------------------
     @classmethod
@@ -163,22 +173,31 @@ class SQLite(Backend):
         if code == "SQLITE_CORRUPT" or "malformed" in reason:
             return DBLockError(f"{path} is damaged ({reason}): restore it, or move it aside and {elsewhere}")
         if code == "SQLITE_CANTOPEN" or "unable to open" in reason:
-            return DatabaseUnavailable(f"cannot open {path}: {reason}")
+            return cannot_open(path, orig)
         if code == "SQLITE_BUSY" or "locked" in reason:
             return DatabaseUnavailable(f"{path} stayed locked by another writer: {reason}")
         return DBLockError(f"cannot create or upgrade dblock's table in {path}: {reason}")
+
+
+def cannot_open(where: str, exc: BaseException) -> DBLockError:
+    """A file SQLite cannot open (a directory, in a directory that does not exist or that this
+    user may not write): the same on every try, so not waited out as an outage."""
+    reason = first_line(exc)
+    if "unable to open" in reason or getattr(exc, "sqlite_errorname", "") == "SQLITE_CANTOPEN":
+        return Misconfigured(
+            f"cannot open {where}: {reason} (is the path a directory, or in a directory that does not exist"
+            " or that this user cannot write?): not retried"
+        )
+    return DatabaseUnavailable(f"cannot open {where}: {reason}")
 
 
 def translate(exc: BaseException, where: str, table: str, schema: str | None = None) -> DBLockError:
     """A sqlite3 error of a lock statement as dblock's own."""
     text = str(exc)
     if isinstance(exc, sqlite3.OperationalError) and "no such table" in text:
-        return SchemaMissing(f"dblock's table {table!r} does not exist in {where}: {missing_schema_hint(where, table, schema)}")
+        return no_table(where, table, schema)
     if isinstance(exc, sqlite3.OperationalError) and ("no such column" in text or "has no column named" in text):
-        return SchemaMissing(
-            f"dblock's table {table!r} in {where} is from an older dblock ({first_line(exc)}): "
-            f"{missing_schema_hint(where, table, schema, upgrade=True)}"
-        )
+        return outdated(where, table, schema, first_line(exc))  # or no table at all: the driver asks
     if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
         return Busy(f"{where} stayed locked by another writer for the whole time allowed")
     if isinstance(exc, sqlite3.DatabaseError) and "not a database" in text:
