@@ -137,15 +137,15 @@ def _exact(seconds: float) -> str:
     return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-def check_trusted(ttl: float, drift: Drift, what: str = "ttl") -> float:
+def check_trusted(ttl: float, drift: Drift, what: str = "ttl", tunable: bool = True) -> float:
     """A ``ttl`` (checked already) that leaves some time to trust a lease once the clock allowance
-    ``drift`` is taken off."""
+    ``drift`` is taken off (``tunable``: the caller chose the allowance, a Locker's option)."""
     if trust_span(ttl, drift) > 0:
         return ttl
     raise ValueError(
         f"{what} {_exact(ttl)} leaves no time to trust the lease once the clock allowance is taken off "
         f"({drift.rate * 100:.3g}% of the ttl + {_exact(drift.fixed)}): give a ttl of more than "
-        f"{_exact(least_ttl(drift))}, or the Locker a smaller drift or drift_fixed"
+        f"{_exact(least_ttl(drift))}" + (", or the Locker a smaller drift or drift_fixed" if tunable else "")
     )
 
 
