@@ -117,8 +117,14 @@ class AsyncLeadership:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Resign; raise LeaseLost if the term was lost before the block ended (unless it is failing)."""
-        await self.lease.__aexit__(exc_type, exc, tb)
+        """Resign; raise LeaseLost if the term was lost before the block ended (as a lease's with-block does)."""
+        try:
+            await self.lease.__aexit__(exc_type, exc, tb)
+        except LeaseLost as lost:  # told of the term's lease: tell it of the term
+            said = str(lost).replace(
+                f"lease on {self.name!r} (token {self.term})", f"the leadership of {self.name!r} (term {self.term})", 1
+            )
+            raise LeaseLost(said) from lost.__cause__
 
     def __repr__(self) -> str:
         state = "lost" if self.lost.is_set() else f"remaining={self.remaining():.3f}s"

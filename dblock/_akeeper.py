@@ -126,6 +126,10 @@ class AsyncKeeper:
         deadline = self._verbs.deadline() if deadline is None else deadline
         return await self._verbs.extend(name, owner, token, ttl, deadline, self.shared)
 
+    async def holders(self, name: str) -> list[int]:
+        """The tokens of the leases that hold ``name`` now (database clock), in order."""
+        return sorted(info.token for info in await self._verbs.leases(name))
+
     # -- the upgradeable read lock -------------------------------------------------
     def pace(self) -> tuple[float, float]:
         """The Locker's pauses between looks (``poll_min``, ``poll_max``): an upgrade's wait uses them."""

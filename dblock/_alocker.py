@@ -429,7 +429,10 @@ class AsyncLocker:
         on asyncio the context manager is an asynchronous one.
 
         With ``renew=True`` the lease is extended while the block runs; check
-        ``lease.lost`` (or pass ``on_lost``) in long blocks. With ``min_hold``
+        ``lease.lost`` (or pass ``on_lost``) in long blocks. The exit raises LeaseLost
+        if the lease was lost while the block ran (renewal gave it up, its trusted time
+        ran out, or it was taken over), after releasing it where it is still this
+        holder's. With ``min_hold``
         the exit keeps the lease until that long after its grant (see ``try_acquire``).
         ``blocking=False`` tries once, as ``acquire``; ``owner`` re-enters, as in ``try_acquire``.
         """

@@ -93,15 +93,26 @@ class LeaseGroup:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Release them all; raise LeaseLost if one was lost before the block ended (unless it is failing)."""
-        lost: BaseException | None = None
+        """Release them all; raise LeaseLost if one was lost before the block ended (as a lease's
+        with-block does: each lease's message, all of them when several were lost)."""
+        lost: list[LeaseLost] = []
+        failure: BaseException | None = None
         for lease in reversed(list(self.leases.values())):
             try:
                 lease.__exit__(exc_type, exc, tb)
+            except LeaseLost as error:
+                lost.append(error)
             except Exception as error:  # noqa: BLE001 - release the rest first
-                lost = lost or error
-        if lost is not None:
-            raise lost
+                failure = failure or error
+        if len(lost) == 1 and failure is None:
+            raise lost[0]
+        if lost:
+            raise LeaseLost(
+                f"{len(lost)} of the group's {len(self.leases)} leases were lost before the with-block ended: "
+                + "; ".join(str(error) for error in reversed(lost))
+            ) from failure
+        if failure is not None:
+            raise failure
 
     def __repr__(self) -> str:
         held = ", ".join(f"{name!r}: {lease.token}" for name, lease in self.leases.items())

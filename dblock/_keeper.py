@@ -128,6 +128,10 @@ class Keeper:
         deadline = self._verbs.deadline() if deadline is None else deadline
         return self._verbs.extend(name, owner, token, ttl, deadline, self.shared)
 
+    def holders(self, name: str) -> list[int]:
+        """The tokens of the leases that hold ``name`` now (database clock), in order."""
+        return sorted(info.token for info in self._verbs.leases(name))
+
     # -- the upgradeable read lock -------------------------------------------------
     def pace(self) -> tuple[float, float]:
         """The Locker's pauses between looks (``poll_min``, ``poll_max``): an upgrade's wait uses them."""

@@ -52,7 +52,9 @@ class Lease(LeaseView):
     release keeps the lease instead of ending it (0: none); see ``release``.
     """
 
-    __slots__ = ("_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "__weakref__")
+    __slots__ = (
+        "_keeper", "name", "owner", "token", "_min_hold", "_state", "_renewal", "_ended_as", "__weakref__",
+    )
 
     def __init__(
         self,
@@ -76,6 +78,9 @@ class Lease(LeaseView):
         hold = metrics.UNHELD if recorder is metrics.OFF else recorder.hold(locker.backend.name, name)
         self._state = LeaseState(expires_at, ttl, sent_at, self._keeper.drift, hold, Event)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
+        # Its first release's account (for ``__exit__``): why the holder could no longer rely on it then
+        # (None: it could), what the release said (None: unconfirmed), and the error if unconfirmed.
+        self._ended_as: tuple[str | None, bool | None, str] | None = None
 
     @property
     def locker(self) -> Any:
@@ -114,7 +119,7 @@ class Lease(LeaseView):
         done = self._keeper.extend(self.name, self.owner, self.token, ttl)
         if done is None:
             if not self._state.released:
-                self._lose()
+                self._lose("an extend found it released or taken over")
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not extended")
         self._state.extended(done.expires_at, ttl, done.sent_at)
 
@@ -137,13 +142,23 @@ class Lease(LeaseView):
             return True  # an owner key's inner acquire: the outermost release ends the lease
         if self._state.held_until is not None:
             return False  # kept for its hold by an earlier release: nothing left to end
+        # The first release's account, for the with-block's verdict: why the holder could no longer rely on the lease.
+        first = not self._state.released
+        lapse = self._lapse(self._renewal is not None) if first else None
         try:
-            return self._keeper.release(
+            ended = self._keeper.release(
                 self.name, self.owner, self.token, self._state, self._min_hold, self._renewal
             )
+        except Exception as error:
+            if first:
+                self._ended_as = (lapse, None, str(error))
+            raise
         finally:
             if self._renewal is not None:
                 self._keeper.renewer.drop(self._renewal)
+        if first:
+            self._ended_as = (lapse, ended, "")
+        return ended
 
     def start_renewal(
         self,
@@ -177,10 +192,10 @@ class Lease(LeaseView):
             raise RuntimeError(f"lease on {self.name!r} (token {self.token}) is already renewing")
         self._renewal = self._keeper.renewer.add(self, self._state, on_lost, on_expiring, margin)
 
-    def _lose(self) -> None:
+    def _lose(self, why: str) -> None:
         # Once lost, stays lost: an extend that lands late (after its renewal
         # gave up waiting) must not make the caller trust the lease again.
-        self._state.lose()
+        self._state.lose(why)
         if self._renewal is not None:
             self._keeper.renewer.drop(self._renewal)
 
@@ -196,19 +211,50 @@ class Lease(LeaseView):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Release; raise LeaseLost if the lease was lost before the block ended (unless it is failing)."""
+        """Release the lease, and raise LeaseLost if it was lost while the block ran, that is before
+        its first release (the block's end, or the block's own ``release()``): the holder found it
+        lost (renewal, an extend), its trusted time had run out, or that release found it released
+        or taken over. The lease is released all the same where it is still this holder's. The
+        block's own exception, if it fails, goes on instead: the loss is told in a note on it and
+        in the log."""
+        what = f"lease on {self.name!r} (token {self.token})"
         failing = exc is not None
         released_before = self._state.released
         try:
-            ended = self.release()
-        except Exception:
-            if not failing:
+            self.release()
+        except Exception as error:
+            lapse = None if self._ended_as is None else self._ended_as[0]
+            lost = self._lost_in_block(what, lapse, None, str(error))
+            if failing:
+                release_log.exception("could not release %r after an error in the with-block", self.name)
+                _note(exc, lost)
+                return
+            if lost is None:  # nothing was lost: the release's own error is the news
                 raise
-            release_log.exception("could not release %r after an error in the with-block", self.name)
+            raise LeaseLost(lost) from error
+        if self._ended_as is None:
+            return  # the inner release of a lease its owner key entered again: the lease goes on
+        lapse, ended, detail = self._ended_as
+        if ended is False and not (failing or released_before):
+            detail = self._holders_now()
+        lost = self._lost_in_block(what, lapse, ended, detail)
+        if lost is None:
             return
-        lost = self._lost_in_block(ended, released_before, failing)
-        if lost is not None:
-            raise lost
+        if failing:
+            _note(exc, lost)
+            return
+        raise LeaseLost(lost)
+
+    def _holders_now(self) -> str:
+        """Who holds the name now, for the message of a lease found released or taken over ("" if
+        that cannot be read: it is only a detail)."""
+        try:
+            tokens = self._keeper.holders(self.name)
+        except Exception:  # noqa: BLE001 - the verdict stands without it
+            return ""
+        if not tokens:
+            return "nobody holds the name now"
+        return f"the name is held now by token{'s' if len(tokens) > 1 else ''} {', '.join(map(str, tokens))}"
 
     def __repr__(self) -> str:
         return f"<Lease {self.name!r} token={self.token} {self._status()}>"
@@ -254,7 +300,7 @@ class UpgradeableLease(Lease):
                     self._become(outcome, self._partner(), sent_at)
                 self._resume_renewal(renewing)
                 if outcome is None:
-                    self._lose()
+                    self._lose("an upgrade found it released or taken over")
                     raise LeaseLost(f"lease on {self.name!r} (token {self.token}) ended before it could upgrade")
                 if isinstance(outcome, Grant):
                     return self
@@ -288,7 +334,7 @@ class UpgradeableLease(Lease):
             self._resume_renewal(renewing)
             raise
         if back is None:
-            self._lose()
+            self._lose("a downgrade found it released or taken over")
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released or taken over; not downgraded")
         self._become(back, self._partner(), sent_at)
         self._resume_renewal(renewing)
@@ -338,9 +384,19 @@ class UpgradeableLease(Lease):
             )
             return
         if back is None:
-            self._lose()
+            self._lose("withdrawing its ask to upgrade found it released or taken over")
         elif back.token != self.token:
             self._become(back, self._keeper, sent_at)
+
+
+def _note(exc: BaseException | None, lost: str | None) -> None:
+    """A with-block failing with ``exc`` lost its lease too: say so in the log, and on ``exc`` (a note, Python 3.11+)."""
+    if exc is None or lost is None:
+        return
+    release_log.warning("%s (the block raised %s)", lost, type(exc).__name__)
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"dblock: {lost}")
 
 
 __all__ = ["Lease", "OnLost", "UpgradeableLease"]

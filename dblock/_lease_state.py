@@ -5,13 +5,12 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Callable, NamedTuple
 
 from . import metrics
 from . import _process as process
 from ._core import Drift, Expiry, trusted_until, when
-from .errors import LeaseLost
 
 
 class LeaseInfo(NamedTuple):
@@ -47,6 +46,7 @@ class LeaseState:
 
     __slots__ = (
         "_expires_at", "ttl", "drift", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid",
+        "why",
     )
 
     def __init__(
@@ -72,6 +72,7 @@ class LeaseState:
         self.hold = hold  # times the hold for dblock.metrics; ended by a release or a loss, once
         self.held_until: datetime | None = None  # set by a release that kept the lease for its min_hold
         self.pid = process.pid  # the process granted it: a forked child may not end or extend it
+        self.why: str | None = None  # once lost: how the holder learned it (the first account kept)
 
     def check_process(self, name: str, verb: str) -> None:
         """Refuse ``verb`` in a forked child: the lease is its parent's, which may still be using it."""
@@ -97,8 +98,10 @@ class LeaseState:
         lost = self._lost
         return lost is not None and bool(lost.is_set())
 
-    def lose(self) -> None:
-        """The holder learned that the lease is gone without its release."""
+    def lose(self, why: str | None = None) -> None:
+        """The holder learned that the lease is gone without its release (``why``: how, in a few words)."""
+        if self.why is None:
+            self.why = why
         self.lost.set()
         self.hold.end(lost=True)
 
@@ -163,15 +166,40 @@ class LeaseView:
             return 0.0
         return max(0.0, self._state.trusted_until - time.monotonic())
 
-    def _lost_in_block(self, ended: bool, released_before: bool, failing: bool) -> LeaseLost | None:
-        """The with-block's verdict after its release: LeaseLost if the lease was lost before the
-        block ended (not when the block is failing anyway, or released the lease itself)."""
-        if ended or released_before or failing:
+    def _lapse(self, renewing: bool) -> str | None:
+        """Before the lease's first release (a with-block's end, or a release inside it): why the holder
+        can no longer rely on the lease (it was found lost, or its trusted time ran out); None while it
+        still can, or once released."""
+        state = self._state
+        if state.released:
             return None
-        return LeaseLost(
-            f"lease on {self.name!r} (token {self.token}) was lost before the with-block ended: "
-            "another owner may have acquired it"
+        if state.is_lost():
+            return state.why or "it was found lost"
+        late = time.monotonic() - state.trusted_until
+        if late < 0:
+            return None
+        at = datetime.fromtimestamp(time.time() - late, timezone.utc)
+        return (
+            f"its trusted time ran out at {at:%H:%M:%S}.{at.microsecond // 1000:03d} UTC, {late:.3f} s before "
+            f"the block ended (ttl {state.ttl:g} s{'' if renewing else ', not renewed'})"
         )
+
+    @staticmethod
+    def _lost_in_block(what: str, lapse: str | None, ended: bool | None, detail: str = "") -> str | None:
+        """The with-block's verdict after its release, as LeaseLost's message; None if the lease
+        protected the block to its end. ``lapse``: what ``_lapse`` said before the release;
+        ``ended``: what the release said (None: it could not be confirmed, ``detail`` says why;
+        False: the lease was released or taken over, ``detail`` says who holds the name now)."""
+        if lapse is None and ended is not False:
+            return None
+        said = [lapse] if lapse is not None else []
+        if ended is False:
+            said.append("the release found it released or taken over" + (f": {detail}" if detail else ""))
+        elif ended:
+            said.append("nobody else was granted it meanwhile, and it is released")
+        else:
+            said.append(f"its release could not be confirmed ({detail}) and goes on in the background")
+        return f"{what} was lost before the with-block ended: " + "; ".join(said)
 
     def _status(self) -> str:
         if self._state.released:

@@ -448,7 +448,7 @@ class Renewer:
             if lease is None or entry.state.ended():
                 continue  # collected; or released meanwhile: the extend that raced the release found nothing
             # Once lost, stays lost. The entry has left the schedule already.
-            entry.state.lose()
+            entry.state.lose(f"renewal gave it up: {why}")
             log.error("lost the lease on %r (token %s): %s", lease.name, lease.token, why)
             if entry.on_lost is not None:
                 self._start(partial(_call_back, entry.on_lost, lease, "on_lost"), f"dblock-on-lost {lease.name!r}")

@@ -10,6 +10,7 @@ import ast
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,10 +76,15 @@ def ha_cluster() -> Iterator[ha.Cluster]:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The HA scenarios' figures (failover windows, refused stale writes...), shown after every run."""
+    """The HA and partition scenarios' figures (failover windows, refused stale writes...), shown after every run."""
     if ha.FIGURES:
         terminalreporter.section("high availability: measured")
         for line in ha.FIGURES:
+            terminalreporter.write_line(line)
+    partitions = sys.modules.get(f"{__package__}.test_partitions")  # loaded only when its tests ran
+    if partitions is not None and partitions.FIGURES:
+        terminalreporter.section("network partitions: measured")
+        for line in partitions.FIGURES:
             terminalreporter.write_line(line)
 
 
