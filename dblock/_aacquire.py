@@ -81,6 +81,7 @@ class AsyncAcquirer:
         heartbeat: AsyncHeartbeat | None,
         poll_min: float,
         poll_max: float,
+        drift: core.Drift,
     ) -> None:
         self.verbs = verbs
         self.cleanup = cleanup
@@ -89,6 +90,7 @@ class AsyncAcquirer:
         self.heartbeat = heartbeat
         self.poll_min = poll_min
         self.poll_max = poll_max
+        self.drift = drift  # the clock allowance, taken off a handed lease's trust
         self.hot = AsyncHotspot()  # this process's waiters for the exclusive lock, per name (polling)
         self._outage_said: str | None = None  # the outage last logged: told once, not at every retry
         self.shared_hot = AsyncHotspot()  # and for shared leases, in lines of their own
@@ -383,8 +385,8 @@ class AsyncAcquirer:
         now = time.monotonic()
         expires_at = handed.expires_at  # a notification's Unix seconds (made a datetime if read), or a datetime
         seconds = expires_at if isinstance(expires_at, float) else expires_at.timestamp()
-        trusted = core.handed_trust(sent, at, seconds, now, ttl)
-        sent_at = trusted - ttl  # the lease trusts sent_at + ttl
+        trusted = core.handed_trust(sent, at, seconds, now, ttl, self.drift)
+        sent_at = trusted - ttl  # the lease trusts sent_at + ttl, less the ttl's clock allowance
         if core.needs_refresh(trusted, now, ttl):
             shared = attempt.shared
             done = await self.verbs.extend(name, attempt.owner, handed.token, ttl, self.verbs.bound(deadline), shared)

@@ -37,14 +37,16 @@ from ._arenew import AsyncRenewer
 from ._averbs import AsyncVerbs
 from ._await import AsyncHeartbeat, AsyncListener
 from ._core import Granted
-from ._defaults import DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema
+from ._defaults import (
+    DEFAULT_DRIFT, DEFAULT_DRIFT_FIXED, DEFAULT_MAX_CONNECTIONS, DEFAULT_OP_TIMEOUT, DEFAULT_TTL, make_schema,
+)
 from ._engine import engine_for
 from ._lease_state import HeldHere, LeaseInfo
 from ._process import default_label, queue_id
 from ._redact import display_url
 from ._validate import (
     check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_owner, check_renew,
-    check_timeout, check_ttl,
+    check_timeout, check_trusted, check_ttl,
 )
 from .errors import LockNotAcquired
 from .schema import DEFAULT_TABLE
@@ -104,6 +106,13 @@ class AsyncLocker:
     server-side prepared statement can be run by another client's session.
     Use ``notify=False`` there too (LISTEN needs a session of its own).
 
+    Trust and the clocks (see "Guarantees" in the documentation): a lease is trusted
+    (``lease.remaining()``) for its ttl from when its grant or extend was sent, less a
+    clock allowance of ``drift`` (a fraction of the ttl, 0 to 0.5; 0.01 is 1%) plus
+    ``drift_fixed`` seconds (0 to 60): the database server's clock may run that much
+    faster than this machine's. A ttl that leaves no trust after the allowance is refused.
+    The server's clock must not be stepped forward (NTP slewing it is fine).
+
     Time and connections are bounded (see "Failures and limits" in the documentation):
     every call but a waiting ``acquire`` returns or raises within
     ``op_timeout`` seconds whatever the server does; a waiting ``acquire``
@@ -129,13 +138,17 @@ class AsyncLocker:
         prepare: bool = True,
         op_timeout: float = DEFAULT_OP_TIMEOUT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        drift: float = DEFAULT_DRIFT,
+        drift_fixed: float = DEFAULT_DRIFT_FIXED,
     ) -> None:
         opts = check_options(
             url is None, table, schema, label, ttl, timeout, poll_min, poll_max, fair, notify, prepare, op_timeout,
-            max_connections,
+            max_connections, drift, drift_fixed,
         )
         self.table, self.schema, self.label = opts.table, opts.schema, opts.label
         self.ttl, self.timeout, self.op_timeout = opts.ttl, opts.timeout, opts.op_timeout
+        self.drift, self.drift_fixed = opts.drift  # the clock allowance: less trust in every lease
+        self._drift = opts.drift
         self.poll_min, self.poll_max, self.fair, self.notify = opts.poll_min, opts.poll_max, opts.fair, opts.notify
         # A sync engine of the database: its URL and dialect, and create_schema's migrations.
         self.engine, self._needs_migration, self._own_engine = engine_for(url)
@@ -161,7 +174,7 @@ class AsyncLocker:
         self._heartbeat = AsyncHeartbeat(self._verbs.beat, self.poll_max) if self._queued else None
         self._acquirer = AsyncAcquirer(
             self._verbs, self._cleanup, queued=self._queued, listener=self._listener, heartbeat=self._heartbeat,
-            poll_min=self.poll_min, poll_max=self.poll_max,
+            poll_min=self.poll_min, poll_max=self.poll_max, drift=self._drift,
         )
         # What its leases call: the exclusive lock's, and shared leases' (read locks, semaphore slots).
         self.keeper = AsyncKeeper(self, self._verbs, self._cleanup, self._acquirer, shared=False)
@@ -192,6 +205,11 @@ class AsyncLocker:
         Alembic is synchronous: on asyncio the migration runs on a worker thread.
         """
         return await ato_thread(make_schema, self.engine, self.table, self.schema)
+
+    def _check_ttl(self, ttl: object) -> float:
+        """A call's ``ttl``, checked: a span of seconds that leaves some trust once this Locker's clock
+        allowance (``drift``, ``drift_fixed``) is taken off."""
+        return check_trusted(check_ttl(ttl), self._drift)
 
     async def _ensure_schema(self) -> None:
         """Before each verb that sends a statement: refuse a closed Locker, and make the embedded
@@ -238,7 +256,7 @@ class AsyncLocker:
         takes up the lease it still holds (see "Re-entry" in the documentation).
         """
         check_name(name)
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = 0.0 if min_hold is None else check_min_hold(min_hold)  # (the defaults cost no call)
         key = None if owner is None else check_owner(owner)
@@ -273,7 +291,7 @@ class AsyncLocker:
         granted in the meantime, before ``CancelledError`` propagates.
         """
         check_name(name)
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
         check_renew(renew, on_lost, on_expiring, expiring_margin)
@@ -423,7 +441,7 @@ class AsyncLocker:
         return _AsyncLockContext(
             self,
             name,
-            None if ttl is None else check_ttl(ttl),
+            None if ttl is None else self._check_ttl(ttl),
             check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
             dict(renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin),
             check_min_hold(min_hold),
@@ -451,7 +469,7 @@ class AsyncLocker:
         ``min_hold`` apply to each lease, as in ``try_acquire``.
         """
         ordered = check_names(names)
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         hold = check_min_hold(min_hold)
         renewal = (on_lost, on_expiring, expiring_margin) if renew else None
@@ -488,7 +506,7 @@ class AsyncLocker:
         from then on, so the first stay held while the last are waited for.
         """
         ordered = check_names(names)
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         timeout = check_blocking(blocking, None if timeout is None else check_timeout(timeout))
         timeout = self.timeout if timeout is None else timeout
         check_renew(renew, on_lost, on_expiring, expiring_margin)
@@ -530,7 +548,7 @@ class AsyncLocker:
         ordered = check_names(names)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         options: dict[str, Any] = dict(
-            ttl=None if ttl is None else check_ttl(ttl),
+            ttl=None if ttl is None else self._check_ttl(ttl),
             timeout=check_blocking(blocking, None if timeout is None else check_timeout(timeout)),
             renew=renew, on_lost=on_lost, on_expiring=on_expiring, expiring_margin=expiring_margin,
             min_hold=check_min_hold(min_hold),
@@ -664,7 +682,7 @@ class AsyncLocker:
         expiring_margin: float | None,
     ) -> AsyncLease:
         """A candidate's wait: a waiting acquire whose grant carries ``value`` as its label, renewed."""
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(True, on_lost, on_expiring, expiring_margin)
         lease: AsyncLease = await self._measured(name, self._acquire, name, ttl, 0.0, timeout, label=value)
@@ -785,7 +803,7 @@ class AsyncLocker:
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
     ) -> AsyncLease | None:
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = await self._try(name, ttl, 0.0, limit)
         if lease is not None and renew:
@@ -803,7 +821,7 @@ class AsyncLocker:
         on_expiring: AsyncOnLost | None = None,
         expiring_margin: float | None = None,
     ) -> AsyncLease:
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else self._check_ttl(ttl)
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         check_renew(renew, on_lost, on_expiring, expiring_margin)
         lease = await self._acquire(name, ttl, 0.0, timeout, limit)
@@ -1058,7 +1076,7 @@ class AsyncShared(Generic[L]):
         return _AsyncLockContext(
             self.locker,
             self.name,
-            None if ttl is None else check_ttl(ttl),
+            None if ttl is None else check_ttl(ttl),  # and against the clock allowance by the acquire
             None if timeout is None else check_timeout(timeout),
             renewal,
             0.0,

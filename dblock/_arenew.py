@@ -115,7 +115,7 @@ class _Entry:
         """When (monotonic) its trust falls to the warning margin, if a warning is still to come."""
         if self.on_expiring is None or self.warned:
             return None
-        return self.state.trusted_until - core.expiring_margin(self.margin, self.state.ttl)
+        return self.state.trusted_until - core.expiring_margin(self.margin, self.state.ttl, self.state.drift)
 
 
 Renewal = _Entry  # a renewing lease's place in the schedule, as the AsyncLease holds it
@@ -168,7 +168,7 @@ class AsyncRenewer:
         entry = _Entry(lease, state, on_lost, on_expiring, margin)
         with self._lock:
             self._live += 1
-            self._push(entry, time.monotonic() + _until_due(lease))
+            self._push(entry, time.monotonic() + _until_due(lease, state))
             if not running(self._scheduler):
                 self._scheduler = self._start(partial(self._schedule, self._era), "dblock-renew")
             else:
@@ -334,7 +334,7 @@ class AsyncRenewer:
                 if warn is not None and warn <= now:
                     entry.warned = True
                     expiring.append(entry)
-                elif entry.warned and left > core.expiring_margin(entry.margin, entry.state.ttl):
+                elif entry.warned and left > core.expiring_margin(entry.margin, entry.state.ttl, entry.state.drift):
                     entry.warned = False  # extended since: a new shortfall warns again
                 # Extend it now (unless it is in flight already), and look again when its trust would end.
                 if not entry.busy:
@@ -430,7 +430,7 @@ class AsyncRenewer:
             elif error is None and expiries[i] is None:
                 out.append((entry, None, "it was released or taken over by another owner"))
             elif error is None:
-                out.append((entry, now + _until_due(lease), ""))
+                out.append((entry, now + _until_due(lease, entry.state), ""))
             elif left <= 0:
                 out.append((entry, None, f"the database stayed unreachable until its trusted time ran out ({error})"))
             else:
@@ -471,9 +471,9 @@ class AsyncRenewer:
                 self._start(partial(_call_back, entry.on_lost, lease, "on_lost"), f"dblock-on-lost {lease.name!r}")
 
 
-def _until_due(lease: AsyncLease) -> float:
+def _until_due(lease: AsyncLease, state: LeaseState) -> float:
     """Seconds until a third of the lease's trusted time is used up (see ``core.until_due``)."""
-    return core.until_due(lease.ttl, lease.remaining())
+    return core.until_due(lease.ttl, lease.remaining(), state.drift)
 
 
 async def _call_back(callback: AsyncOnLost, lease: AsyncLease, what: str) -> None:

@@ -205,26 +205,60 @@ def entry_lifetime(left: float) -> float | None:
 
 
 # -- trust (G5) -----------------------------------------------------------------------
-def trusted_until(sent_at: float, ttl: float) -> float:
+class Drift(NamedTuple):
+    """The clock allowance taken off every lease's trust: ``rate`` of its ttl (how much faster the
+    database server's clock may run than the client's) plus ``fixed`` seconds (for what is no
+    rate: clock ticks, the rounding of the expiry)."""
+
+    rate: float
+    fixed: float
+
+
+# The default allowance: Redlock's (1% of the ttl plus 2 ms).
+DRIFT = Drift(0.01, 0.002)
+
+
+def allowance(ttl: float, drift: Drift) -> float:
+    """Seconds of a ``ttl`` the client does not rely on, for the clocks (``drift``)."""
+    return ttl * drift.rate + drift.fixed
+
+
+def trust_span(ttl: float, drift: Drift) -> float:
+    """Seconds a lease of ``ttl`` is trusted, counted from the send of the statement that granted
+    or extended it: the ttl less the clock allowance (``drift``)."""
+    return ttl - ttl * drift.rate - drift.fixed
+
+
+def least_ttl(drift: Drift) -> float:
+    """The ttl below which the clock allowance ``drift`` leaves no trust at all."""
+    return drift.fixed / (1 - drift.rate)
+
+
+def trusted_until(sent_at: float, ttl: float, drift: Drift) -> float:
     """Until when a client trusts a lease granted (or extended) by a statement it sent at
-    ``sent_at``: ``sent_at + ttl``. The database computed the expiry, now + ttl by its
-    clock, after it received the statement, so no earlier than that (G5)."""
-    return sent_at + ttl
+    ``sent_at``: ``sent_at + ttl`` less the clock allowance ``drift``. The database computed the
+    expiry, now + ttl by its clock, after it received the statement, so no earlier than
+    ``sent_at + ttl`` while its clock runs at most ``drift.rate`` faster than ours and is never
+    stepped forward (G5)."""
+    return sent_at + trust_span(ttl, drift)
 
 
-def handed_trust(sent: float, at: float, expires_at: float, now: float, ttl: float) -> float:
-    """Until when a lease handed to a fair waiter is trusted, on the waiter's clock.
+def handed_trust(sent: float, at: float, expires_at: float, now: float, ttl: float, drift: Drift) -> float:
+    """Until when a lease handed to a fair waiter is trusted, on the waiter's clock, before the
+    ttl's clock allowance: ``trusted_until(this - ttl, ttl, drift)`` is its trust.
 
     The waiter's last queueing attempt was sent at ``sent`` and ran at database
     time ``at`` (epoch seconds), a moment no earlier, so the lease's database
     expiry ``expires_at`` (epoch seconds) comes no earlier than
-    ``sent + (expires_at - at)`` on the waiter's clock (the two clocks running
-    at the same rate, as G5 assumes). The hand-off came after that attempt, so
-    this is at least ``sent + ttl``; it does not age while the waiter sleeps
-    far back in the line. Never more than ``now + ttl``: the hand-off happened
-    before the waiter heard of it.
+    ``sent + (expires_at - at)`` on the waiter's clock, less the clock
+    allowance ``drift`` for that span (it may be longer than the ttl), which is
+    what this leaves to take off beyond the ttl's own. The hand-off came after
+    that attempt, so the span is at least the ttl; the trust does not age while
+    the waiter sleeps far back in the line. Never more than ``now + ttl``: the
+    hand-off happened before the waiter heard of it.
     """
-    return min(sent + (expires_at - at), now + ttl)
+    span = expires_at - at
+    return min(sent + span - drift.rate * (span - ttl), now + ttl)
 
 
 def needs_refresh(trusted: float, now: float, ttl: float) -> bool:
@@ -232,20 +266,24 @@ def needs_refresh(trusted: float, now: float, ttl: float) -> bool:
     return trusted - now < ttl / 2
 
 
-def until_due(ttl: float, remaining: float) -> float:
-    """Seconds until a third of a lease's trusted time is used up: then renewal extends it.
+def until_due(ttl: float, remaining: float, drift: Drift) -> float:
+    """Seconds until a third of a lease's trusted time (its ttl less the clock allowance ``drift``)
+    is used up: then renewal extends it.
 
     Counted from the trust left (``remaining``), not from now, so a grant or an
     extend whose reply was slow is followed up sooner.
     """
-    return min(ttl / 3, max(ttl / 30, remaining - 2 * ttl / 3))
+    span = trust_span(ttl, drift)
+    return min(span / 3, max(span / 30, remaining - 2 * span / 3))
 
 
-def expiring_margin(margin: float | None, ttl: float) -> float:
+def expiring_margin(margin: float | None, ttl: float, drift: Drift) -> float:
     """Seconds of trust left at which renewal warns (``on_expiring``) that it has not extended a
-    lease yet: ``margin`` (None: a third of the ttl), never more than half the ttl, so a lease
-    renewal extends on time is never warned about."""
-    return min(ttl / 3 if margin is None else margin, ttl / 2)
+    lease yet: ``margin`` (None: a third of the trusted time, the ttl less the clock allowance
+    ``drift``), never more than half the trusted time, so a lease renewal extends on time is
+    never warned about."""
+    span = trust_span(ttl, drift)
+    return min(span / 3 if margin is None else margin, span / 2)
 
 
 def retry_after(ttl: float, left: float) -> float:

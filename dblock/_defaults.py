@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.engine import Engine
 
 from . import backends
+from ._core import DRIFT
 from ._redact import display_url
 
 if TYPE_CHECKING:
@@ -18,6 +19,8 @@ log = logging.getLogger("dblock.migrate")
 DEFAULT_TTL = 30.0
 DEFAULT_OP_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 10
+# The clock allowance taken off every lease's trust: Redlock's, 1% of the ttl plus 2 ms.
+DEFAULT_DRIFT, DEFAULT_DRIFT_FIXED = DRIFT
 
 
 def make_schema(engine: Engine, table: str, schema: str | None) -> Migrated:

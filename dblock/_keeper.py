@@ -34,8 +34,8 @@ class Keeper:
     """One Locker's side of its leases of one kind (``shared``): release, extend, renewal's batches."""
 
     __slots__ = (
-        "locker", "renewer", "shared", "partner", "_verbs", "_cleanup", "_acquirer", "_entered", "_entered_lock",
-        "_reentered",
+        "locker", "renewer", "shared", "partner", "drift", "_verbs", "_cleanup", "_acquirer", "_entered",
+        "_entered_lock", "_reentered",
     )
 
     def __init__(
@@ -47,6 +47,7 @@ class Keeper:
         # The Locker's keeper of the other kind, set by the Locker: an upgradeable reader's lease
         # moves to it when it upgrades, and back when it downgrades.
         self.partner: Keeper | None = None
+        self.drift = acquirer.drift  # the Locker's clock allowance, taken off its leases' trust
         self._verbs = verbs
         self._cleanup = cleanup
         self._acquirer = acquirer

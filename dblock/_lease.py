@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Union
 from . import _core as core
 from . import metrics
 from ._acompat import Event, sleep
-from ._core import Expiry, Grant, trusted_until
+from ._core import Expiry, Grant
 from ._lease_state import LeaseState, LeaseView
-from ._validate import check_callbacks, check_timeout, check_ttl
+from ._validate import check_callbacks, check_timeout, check_trusted, check_ttl
 from .errors import DBLockError, LeaseLost, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Lease(LeaseView):
         self._min_hold = min_hold
         recorder = metrics.recorder
         hold = metrics.UNHELD if recorder is metrics.OFF else recorder.hold(locker.backend.name, name)
-        self._state = LeaseState(expires_at, ttl, trusted_until(sent_at, ttl), hold, Event)
+        self._state = LeaseState(expires_at, ttl, sent_at, self._keeper.drift, hold, Event)
         self._renewal: Renewal | None = None  # its place in the Locker's renewal schedule
         # Its first release's account (for ``__exit__``): why the holder could no longer rely on it then
         # (None: it could), what the release said (None: unconfirmed), and the error if unconfirmed.
@@ -112,7 +112,7 @@ class Lease(LeaseView):
         between: exclusivity was never broken. Not after ``release`` (LeaseLost,
         before any SQL): a lease kept for its ``min_hold`` must end on time.
         """
-        ttl = self.ttl if ttl is None else check_ttl(ttl)
+        ttl = self.ttl if ttl is None else check_trusted(check_ttl(ttl), self._state.drift)
         self._state.check_process(self.name, "extend")
         if self._state.released:
             raise LeaseLost(f"lease on {self.name!r} (token {self.token}) was released; not extended")

@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 from . import metrics
 from . import _process as process
-from ._core import Expiry, trusted_until, when
+from ._core import Drift, Expiry, trusted_until, when
 
 
 class LeaseInfo(NamedTuple):
@@ -45,22 +45,25 @@ class LeaseState:
     """
 
     __slots__ = (
-        "_expires_at", "ttl", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid", "why",
+        "_expires_at", "ttl", "drift", "trusted_until", "released", "_lost", "_event", "hold", "held_until", "pid",
+        "why",
     )
 
     def __init__(
         self,
         expires_at: Expiry,
         ttl: float,
-        trusted_until: float,
+        sent_at: float,
+        drift: Drift,
         hold: metrics.Hold,
         event: Callable[[], Any] = threading.Event,
     ) -> None:
         self._expires_at = expires_at  # database time: a datetime, or Unix seconds until first read
         self.ttl = ttl
-        # G5: trusted until (when the acquire was *sent*) + ttl on this
-        # process's monotonic clock, never past the database's expiry.
-        self.trusted_until = trusted_until
+        self.drift = drift  # the clock allowance taken off the trust of every grant and extend
+        # G5: trusted until (when the acquire was *sent*) + ttl on this process's monotonic
+        # clock, less the clock allowance: never past the database's expiry.
+        self.trusted_until = trusted_until(sent_at, ttl, drift)
         self.released = False
         # ``lost``, made on first use (most leases end without anyone asking): a threading.Event,
         # or what ``event`` makes (an AsyncLease's: an asyncio.Event).
@@ -115,7 +118,7 @@ class LeaseState:
         """An extend sent at ``sent_at`` set the database expiry ``expires_at``."""
         self._expires_at = expires_at
         self.ttl = ttl
-        self.trusted_until = trusted_until(sent_at, ttl)
+        self.trusted_until = trusted_until(sent_at, ttl, self.drift)
 
     def ended(self) -> bool:
         """Released or lost: nothing left to trust or renew."""

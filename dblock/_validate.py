@@ -6,6 +6,8 @@ import math
 import re
 from typing import NamedTuple
 
+from ._core import Drift, least_ttl, trust_span
+
 MAX_NAME_LENGTH = 255
 MIN_TTL = 0.001  # 1 ms: below that the database rounds the lease to nothing
 MAX_TTL = 366 * 24 * 3600.0  # a year; longer is almost certainly a unit mistake
@@ -109,6 +111,42 @@ def check_ttl(ttl: object, what: str = "ttl") -> float:
             f"{what} must be between {human_seconds(MIN_TTL)} and {human_seconds(MAX_TTL)}, not {human_seconds(number)}"
         )
     return number
+
+
+MAX_DRIFT = 0.5  # the clock allowance's share of a ttl: at most half of it
+MAX_DRIFT_FIXED = 60.0  # and its fixed part: at most a minute
+
+
+def check_drift(drift: object, fixed: object) -> Drift:
+    """The clock allowance taken off every lease's trust: ``drift``, a fraction of the ttl (0 to
+    0.5), plus ``fixed`` seconds (0 to 60)."""
+    if isinstance(drift, bool) or not isinstance(drift, (int, float)):
+        raise TypeError(f"drift must be a fraction of the ttl (0.01 is 1%), not {type(drift).__name__}")
+    if not 0 <= drift <= MAX_DRIFT:  # NaN fails too
+        raise ValueError(f"drift must be a fraction of the ttl between 0 and {MAX_DRIFT:g} (0.01 is 1%), not {drift!r}")
+    seconds = _number(fixed, "drift_fixed")
+    if not 0 <= seconds <= MAX_DRIFT_FIXED:
+        raise ValueError(
+            f"drift_fixed must be between 0 s and {human_seconds(MAX_DRIFT_FIXED)}, not {human_seconds(seconds)}"
+        )
+    return Drift(float(drift), seconds)
+
+
+def _exact(seconds: float) -> str:
+    """A short duration to three digits (``2.02 ms``), where ``human_seconds`` would round it away."""
+    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def check_trusted(ttl: float, drift: Drift, what: str = "ttl", tunable: bool = True) -> float:
+    """A ``ttl`` (checked already) that leaves some time to trust a lease once the clock allowance
+    ``drift`` is taken off (``tunable``: the caller chose the allowance, a Locker's option)."""
+    if trust_span(ttl, drift) > 0:
+        return ttl
+    raise ValueError(
+        f"{what} {_exact(ttl)} leaves no time to trust the lease once the clock allowance is taken off "
+        f"({drift.rate * 100:.3g}% of the ttl + {_exact(drift.fixed)}): give a ttl of more than "
+        f"{_exact(least_ttl(drift))}" + (", or the Locker a smaller drift or drift_fixed" if tunable else "")
+    )
 
 
 MAX_LIMIT = 2**31 - 1  # the holders table's lim is a 32-bit integer
@@ -230,11 +268,13 @@ class Options(NamedTuple):
     prepare: bool
     op_timeout: float
     max_connections: int
+    drift: Drift
 
 
 def check_options(
     embedded: bool, table: object, schema: object, label: object, ttl: object, timeout: object, poll_min: object,
     poll_max: object, fair: object, notify: object, prepare: object, op_timeout: object, max_connections: object,
+    drift: object, drift_fixed: object,
 ) -> Options:
     """The keyword arguments of ``Locker``/``AsyncLocker``, checked (``embedded``: no URL given)."""
     table = check_identifier(table, "table")
@@ -255,7 +295,8 @@ def check_options(
         raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
     if not 1 <= max_connections <= 1000:
         raise ValueError(f"max_connections must be between 1 and 1000, not {max_connections}")
+    allowance = check_drift(drift, drift_fixed)
     return Options(
-        table, schema, label, check_ttl(ttl), check_timeout(timeout), low, high, bool(fair), bool(notify),
-        bool(prepare), check_interval(op_timeout, "op_timeout"), max_connections,
+        table, schema, label, check_trusted(check_ttl(ttl), allowance), check_timeout(timeout), low, high, bool(fair),
+        bool(notify), bool(prepare), check_interval(op_timeout, "op_timeout"), max_connections, allowance,
     )

@@ -34,9 +34,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from ._process import describe_process
 from ._redact import display_url, redact
 from . import __version__
+from ._core import DRIFT
 from ._validate import (
-    check_identifier, check_limit, check_min_hold, check_name, check_text, check_timeout, check_ttl, human_seconds,
-    parse_duration,
+    check_identifier, check_limit, check_min_hold, check_name, check_text, check_timeout, check_trusted, check_ttl,
+    human_seconds, parse_duration,
 )
 from .errors import DBLockError, LockNotAcquired, Misconfigured, PermissionDenied
 from .lease import Lease, LeaseInfo
@@ -106,6 +107,7 @@ def _seconds(check: Callable[[Any], Any]) -> Callable[[str], Any]:
 
 
 _NAME = _typed(check_name, str)
+_TTL = _seconds(lambda v: check_trusted(check_ttl(v), DRIFT, tunable=False))  # leaves trust after the clock allowance
 _MIN_INTERVAL = _typed(lambda v: check_min_hold(v, "min-interval"), parse_duration)
 _TABLE = _typed(lambda v: check_identifier(v, "table"), str)
 
@@ -175,7 +177,7 @@ def build_parser(prog: str = "dblock", django: bool = False) -> argparse.Argumen
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("name", type=_NAME, help="the lock's name")
-    run.add_argument("--ttl", type=_seconds(check_ttl), default=DEFAULT_TTL,
+    run.add_argument("--ttl", type=_TTL, default=DEFAULT_TTL,
                      help=f"lease length (30, 90s, 5m, 1h...), renewed every ttl/3 (default: {DEFAULT_TTL:g}s)")
     run.add_argument("--wait", type=_seconds(check_timeout), default=0.0,
                      help=f"how long to wait for a busy lock ('inf': for ever; default: 0, exit {EXIT_BUSY} at once); "
@@ -212,7 +214,7 @@ def build_parser(prog: str = "dblock", django: bool = False) -> argparse.Argumen
     elect.add_argument("name", type=_NAME, help="the election's name")
     elect.add_argument("--value", type=_typed(lambda v: check_text(v, "value", LABEL_LENGTH), str), default=None,
                        help="what this leader proclaims, shown by `dblock status` (default: host:pid command)")
-    elect.add_argument("--ttl", type=_seconds(check_ttl), default=DEFAULT_TTL,
+    elect.add_argument("--ttl", type=_TTL, default=DEFAULT_TTL,
                        help=f"leadership lease, renewed every ttl/3 (default: {DEFAULT_TTL:g}s)")
     elect.add_argument("--wait", type=_seconds(check_timeout), default=float("inf"),
                        help=f"how long to campaign (default: for ever; 0: exit {EXIT_BUSY} at once if another leads)")

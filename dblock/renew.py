@@ -110,7 +110,7 @@ class _Entry:
         """When (monotonic) its trust falls to the warning margin, if a warning is still to come."""
         if self.on_expiring is None or self.warned:
             return None
-        return self.state.trusted_until - core.expiring_margin(self.margin, self.state.ttl)
+        return self.state.trusted_until - core.expiring_margin(self.margin, self.state.ttl, self.state.drift)
 
 
 Renewal = _Entry  # a renewing lease's place in the schedule, as the Lease holds it
@@ -160,7 +160,7 @@ class Renewer:
         entry = _Entry(lease, state, on_lost, on_expiring, margin)
         with self._lock:
             self._live += 1
-            self._push(entry, time.monotonic() + _until_due(lease))
+            self._push(entry, time.monotonic() + _until_due(lease, state))
             if not running(self._scheduler):
                 self._scheduler = self._start(partial(self._schedule, self._era), "dblock-renew")
             else:
@@ -317,7 +317,7 @@ class Renewer:
                 if warn is not None and warn <= now:
                     entry.warned = True
                     expiring.append(entry)
-                elif entry.warned and left > core.expiring_margin(entry.margin, entry.state.ttl):
+                elif entry.warned and left > core.expiring_margin(entry.margin, entry.state.ttl, entry.state.drift):
                     entry.warned = False  # extended since: a new shortfall warns again
                 # Extend it now (unless it is in flight already), and look again when its trust would end.
                 if not entry.busy:
@@ -413,7 +413,7 @@ class Renewer:
             elif error is None and expiries[i] is None:
                 out.append((entry, None, "it was released or taken over by another owner"))
             elif error is None:
-                out.append((entry, now + _until_due(lease), ""))
+                out.append((entry, now + _until_due(lease, entry.state), ""))
             elif left <= 0:
                 out.append((entry, None, f"the database stayed unreachable until its trusted time ran out ({error})"))
             else:
@@ -454,9 +454,9 @@ class Renewer:
                 self._start(partial(_call_back, entry.on_lost, lease, "on_lost"), f"dblock-on-lost {lease.name!r}")
 
 
-def _until_due(lease: Lease) -> float:
+def _until_due(lease: Lease, state: LeaseState) -> float:
     """Seconds until a third of the lease's trusted time is used up (see ``core.until_due``)."""
-    return core.until_due(lease.ttl, lease.remaining())
+    return core.until_due(lease.ttl, lease.remaining(), state.drift)
 
 
 def _call_back(callback: OnLost, lease: Lease, what: str) -> None:

@@ -724,6 +724,8 @@ def test_a_missing_double_dash_is_answered_with_the_fix(
     [
         (["--ttl", "1e9"], "ttl must be between 1 ms and 366 days, not 11574.1 days"),
         (["--ttl", "0"], "ttl must be between 1 ms and 366 days, not 0 s"),
+        (["--ttl", "2ms"], "ttl 2 ms leaves no time to trust the lease once the clock allowance is taken off "
+                           "(1% of the ttl + 2 ms): give a ttl of more than 2.02 ms\n"),
         (["--wait", "-90"], "timeout must be >= 0 seconds (inf waits for ever), not -90 s"),
         (["--ttl", "5 minutes"], "not a duration: '5 minutes' (e.g. 30, 90s, 5m, 1h, 1d, 250ms)"),
         (["--min-interval", "400d"], "min-interval must be between 0 s and 366 days, not 400 days"),

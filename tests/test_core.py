@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from datetime import datetime, timedelta, timezone
@@ -161,41 +162,82 @@ def test_a_queue_entry_lives_as_long_as_its_wait_and_grace() -> None:
 
 
 # -- trust (G5) ----------------------------------------------------------------------
+NO_DRIFT = core.Drift(0.0, 0.0)  # clocks taken to run at one rate: the trust before the allowance
+
+
 def test_a_grant_is_trusted_from_its_send_time_not_its_reply() -> None:
-    assert core.trusted_until(sent_at=50.0, ttl=30.0) == 80.0
+    assert core.trusted_until(sent_at=50.0, ttl=30.0, drift=NO_DRIFT) == 80.0
+
+
+def test_trust_is_shortened_by_the_clock_allowance() -> None:
+    # Redlock's allowance by default: 1% of the ttl plus 2 ms.
+    assert core.DRIFT == (0.01, 0.002)
+    assert core.allowance(30.0, core.DRIFT) == pytest.approx(0.302)
+    assert core.trusted_until(sent_at=50.0, ttl=30.0, drift=core.DRIFT) == pytest.approx(80.0 - 0.302)
+    assert core.trust_span(10.0, core.Drift(0.05, 0.5)) == pytest.approx(9.0)
+    # The least ttl leaves no trust; anything longer leaves some.
+    least = core.least_ttl(core.DRIFT)
+    assert least == pytest.approx(0.002 / 0.99)
+    assert core.trust_span(least, core.DRIFT) == pytest.approx(0.0, abs=1e-15)
+    assert core.trust_span(least * 1.001, core.DRIFT) > 0
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_trust_ends_before_the_database_expiry_while_its_clock_runs_fast_within_the_allowance(seed: int) -> None:
+    # The database's clock runs `rate` faster than ours, at most the allowance's: its expiry,
+    # ttl of its seconds after it received the statement, comes ttl / rate of ours after that.
+    rng = random.Random(seed)
+    drift = core.Drift(rng.uniform(0, 0.5), rng.uniform(0, 1))
+    ttl = rng.uniform(core.least_ttl(drift), 60)
+    rate = 1 + rng.uniform(0, drift.rate)
+    sent = rng.uniform(0, 1000)
+    received = sent + rng.uniform(0, 5)
+    assert core.trusted_until(sent, ttl, drift) <= received + ttl / rate
 
 
 @pytest.mark.parametrize("seed", range(200))
 def test_a_handed_lease_is_never_trusted_past_its_database_expiry_nor_past_now_plus_ttl(seed: int) -> None:
     # G5 for a hand-off: the waiter's last queueing attempt was sent at `sent` (client clock)
     # and ran at `at` (database clock), later by an unknown delay d >= 0. The database's
-    # expiry E, mapped onto the client clock, is sent + d + (E - at): trust must end by then,
-    # whatever d is, so trust must not pass sent + (E - at). And never past now + ttl.
+    # expiry E, mapped onto the client clock, is sent + d + (E - at) / rate, the database's
+    # clock running `rate` faster than ours, within the allowance: trust must end by then,
+    # whatever d is. And never past now + ttl less the allowance.
     rng = random.Random(seed)
-    ttl = rng.uniform(0.1, 60)
+    drift = core.Drift(0.0, 0.0) if seed % 4 == 0 else core.Drift(rng.uniform(0, 0.5), rng.uniform(0, 1))
+    rate = 1 + rng.uniform(0, drift.rate)
+    ttl = rng.uniform(max(0.1, 2 * core.least_ttl(drift)), 60)
     sent = rng.uniform(0, 1000)
     skew = rng.uniform(-1e6, 1e6)  # the database's clock reads anything: only differences count
     d = rng.uniform(0, 5)  # the attempt's delay to the database
     at = sent + skew + d
     handed_at = at + rng.uniform(0, 120)  # the hand-off (a release) came later, by the database clock
     expires = handed_at + ttl
-    now = sent + d + (handed_at - at) + rng.uniform(0, 5)  # we learn of it after it happened
-    trusted = core.handed_trust(sent, at, expires, now, ttl)
-    assert trusted <= sent + d + (expires - at)  # the database expiry on our clock
-    assert trusted <= now + ttl
+    now = sent + d + (handed_at - at) / rate + rng.uniform(0, 5)  # we learn of it after it happened
+    # The lease trusts sent_at + ttl less the ttl's allowance, as every grant (``LeaseState``).
+    trusted = core.trusted_until(core.handed_trust(sent, at, expires, now, ttl, drift) - ttl, ttl, drift)
+    assert trusted <= sent + d + (expires - at) / rate + 1e-9  # the database expiry on our clock
+    assert trusted <= now + core.trust_span(ttl, drift) + 1e-9
     # ... and not needlessly short: the hand-off came after our attempt was sent.
-    assert trusted >= min(sent + ttl, now + ttl) - 1e-9
+    span = expires - at
+    assert trusted >= min(sent + span * (1 - drift.rate) - drift.fixed, now + core.trust_span(ttl, drift)) - 1e-9
+    assert trusted >= min(sent + ttl, now + ttl) - core.allowance(span, drift) - 1e-9
 
 
 def test_handed_trust_edges() -> None:
+    handed = functools.partial(core.handed_trust, drift=NO_DRIFT)
     # The hand-off happened at once: trust is the send time plus ttl.
-    assert core.handed_trust(sent=10.0, at=500.0, expires_at=530.0, now=10.0, ttl=30.0) == 40.0
+    assert handed(sent=10.0, at=500.0, expires_at=530.0, now=10.0, ttl=30.0) == 40.0
     # Handed long after our attempt while we slept far back in the line: trust does not age.
-    assert core.handed_trust(sent=10.0, at=500.0, expires_at=590.0, now=65.0, ttl=30.0) == 95.0  # not sent + ttl (40)
+    assert handed(sent=10.0, at=500.0, expires_at=590.0, now=65.0, ttl=30.0) == 95.0  # not sent + ttl (40)
     # An expiry far in the future (a clock jump on the server) never buys more than now + ttl.
-    assert core.handed_trust(sent=10.0, at=500.0, expires_at=10_000.0, now=11.0, ttl=30.0) == 41.0
+    assert handed(sent=10.0, at=500.0, expires_at=10_000.0, now=11.0, ttl=30.0) == 41.0
     # Expired already by the mapping: trust is in the past (the lease gets refreshed or dropped).
-    assert core.handed_trust(sent=10.0, at=500.0, expires_at=505.0, now=20.0, ttl=30.0) == 15.0
+    assert handed(sent=10.0, at=500.0, expires_at=505.0, now=20.0, ttl=30.0) == 15.0
+    # With an allowance, the database's 90 s from our look take 1% off all 90 s, not only off the ttl's 30:
+    # the lease (trusting this - ttl, less the ttl's allowance) ends 0.9 s + 2 ms before 100.
+    drift = core.Drift(0.01, 0.002)
+    trusted = core.handed_trust(sent=10.0, at=500.0, expires_at=590.0, now=75.0, ttl=30.0, drift=drift)
+    assert core.trusted_until(trusted - 30.0, 30.0, drift) == pytest.approx(100.0 - 0.9 - 0.002)
 
 
 def test_a_handed_lease_with_less_than_half_its_ttl_left_is_refreshed_first() -> None:
@@ -206,10 +248,24 @@ def test_a_handed_lease_with_less_than_half_its_ttl_left_is_refreshed_first() ->
 
 # -- renewal ------------------------------------------------------------------------
 def test_renewal_is_due_when_a_third_of_the_trust_is_used() -> None:
-    assert core.until_due(30.0, 30.0) == 10.0
-    assert core.until_due(30.0, 25.0) == pytest.approx(5.0)  # a slow reply: follow up sooner
-    assert core.until_due(30.0, 0.0) == 1.0  # out of trust: ttl/30, never a hot loop
-    assert core.until_due(30.0, 100.0) == 10.0  # never later than every ttl/3
+    assert core.until_due(30.0, 30.0, NO_DRIFT) == 10.0
+    assert core.until_due(30.0, 25.0, NO_DRIFT) == pytest.approx(5.0)  # a slow reply: follow up sooner
+    assert core.until_due(30.0, 0.0, NO_DRIFT) == 1.0  # out of trust: ttl/30, never a hot loop
+    assert core.until_due(30.0, 100.0, NO_DRIFT) == 10.0  # never later than every ttl/3
+    # With an allowance, a third of the trusted time (the ttl less the allowance: 20 s of 30).
+    drift = core.Drift(0.3, 1.0)
+    assert core.until_due(30.0, 20.0, drift) == pytest.approx(20.0 / 3)
+    assert core.until_due(30.0, 15.0, drift) == pytest.approx(15.0 - 40.0 / 3)
+    assert core.until_due(30.0, 0.0, drift) == pytest.approx(20.0 / 30)
+
+
+def test_the_expiring_warning_comes_within_the_trusted_time() -> None:
+    assert core.expiring_margin(None, 30.0, NO_DRIFT) == 10.0
+    assert core.expiring_margin(None, 30.0, core.Drift(0.3, 1.0)) == pytest.approx(20.0 / 3)
+    assert core.expiring_margin(2.0, 30.0, core.Drift(0.3, 1.0)) == 2.0
+    # Never more than half the trusted time: renewal extends at two thirds of it left.
+    assert core.expiring_margin(14.0, 30.0, NO_DRIFT) == 14.0
+    assert core.expiring_margin(14.0, 30.0, core.Drift(0.3, 1.0)) == pytest.approx(10.0)
 
 
 def test_a_failed_extend_is_retried_three_times_per_interval_while_trusted() -> None:
