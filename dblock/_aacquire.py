@@ -196,12 +196,17 @@ class AsyncAcquirer:
         )
         if not isinstance(outcome, Grant):
             return None, outcome.wait
+        granted: Granted | None = Granted(outcome.token, outcome.expires_at, sent_at)
+        if core.needs_refresh(core.trusted_until(sent_at, ttl, self.drift), time.monotonic(), ttl):
+            granted = await self._refresh(name, attempt, ttl, outcome.token, deadline, waiting)  # a slow reply
+            if granted is None:
+                return None, None
         if attempt.shared:
             self.shared_hot.mark_full(name, free is not None and free <= 0)
         elif not self.queued:
             self.hot.mark_full(name, True)  # held here: the next in this process's line waits for our release
         log.debug("granted %r (limit %s) token=%s", name, attempt.limit, outcome.token)
-        return Granted(outcome.token, outcome.expires_at, sent_at), None
+        return granted, None
 
     # -- the local line ----------------------------------------------------------------
     async def _in_line(self, name: str, attempt: Try, ttl: float, timeout: float, deadline: float) -> Granted:
@@ -292,6 +297,15 @@ class AsyncAcquirer:
                     )
                     if outage is not None:
                         self._outage_said = None  # it ended: the next one is told again
+                    if isinstance(outcome, Grant):
+                        granted: Granted | None = Granted(outcome.token, outcome.expires_at, sent_at)
+                        if core.needs_refresh(core.trusted_until(sent_at, ttl, self.drift), time.monotonic(), ttl):
+                            granted = await self._refresh(
+                                name, attempt, ttl, outcome.token, verbs.bound(deadline), waiting=True
+                            )
+                        if granted is not None:
+                            return granted
+                        outcome = None  # lost or ended before use: look again
                     outage, outage_delay = None, OUTAGE_RETRY_MIN
                 except OutOfTime:  # nothing was sent: out of time, not an outage
                     if time.monotonic() >= deadline:
@@ -306,9 +320,7 @@ class AsyncAcquirer:
                     outage_delay = await self._outage(exc, name, outage_delay, deadline)
                     continue
                 if outcome is None:
-                    continue  # a concurrent first acquire created the row just now: look again
-                if isinstance(outcome, Grant):
-                    return Granted(outcome.token, outcome.expires_at, sent_at)
+                    continue  # a concurrent first acquire created the row just now (or see above): look again
                 wait, seq, ahead = outcome.wait, outcome.seq, outcome.ahead
                 queued_at = (sent_at, outcome.at)
                 left = deadline - time.monotonic()
@@ -386,14 +398,45 @@ class AsyncAcquirer:
         expires_at = handed.expires_at  # a notification's Unix seconds (made a datetime if read), or a datetime
         seconds = expires_at if isinstance(expires_at, float) else expires_at.timestamp()
         trusted = core.handed_trust(sent, at, seconds, now, ttl, self.drift)
-        sent_at = trusted - ttl  # the lease trusts sent_at + ttl, less the ttl's clock allowance
         if core.needs_refresh(trusted, now, ttl):
-            shared = attempt.shared
-            done = await self.verbs.extend(name, attempt.owner, handed.token, ttl, self.verbs.bound(deadline), shared)
+            return await self._refresh(name, attempt, ttl, handed.token, self.verbs.bound(deadline), waiting=True)
+        return Granted(handed.token, expires_at, trusted - ttl)  # the lease trusts sent_at + ttl
+
+    async def _refresh(
+        self, name: str, attempt: Try, ttl: float, token: int, deadline: float, waiting: bool
+    ) -> Granted | None:
+        """A lease just granted or handed to ``attempt`` with less than half its ttl trusted (its reply
+        was slow): extended once, so that it is trusted from the extend's send; None if it was lost
+        meanwhile (taken over after it ran out), or if even the extend came back with no trust
+        left: then it is ended (never used), and the caller tries again (``waiting``) or has nothing.
+
+        Never hands over a lease the database holds and the caller could not rely on. Raises
+        ``DatabaseUnavailable`` if the extend or the end failed, or found no time to be sent:
+        the lease is ours then, in doubt, and the caller ends it (``guarded``) or takes it up
+        again with its next attempt (same owner, G6).
+        """
+        owner, shared = attempt.owner, attempt.shared
+        try:
+            done = await self.verbs.extend(name, owner, token, ttl, deadline, shared)
             if done is None:
                 return None
-            expires_at, sent_at = done
-        return Granted(handed.token, expires_at, sent_at)
+            if core.trusted_until(done.sent_at, ttl, self.drift) > time.monotonic():
+                return Granted(token, done.expires_at, done.sent_at)
+            log.log(
+                logging.INFO if waiting else logging.WARNING,
+                "the database answered too slowly to trust the lease on %r (ttl %g s) even after extending it: "
+                "released unused%s", name, ttl, "; trying again" if waiting else "",
+            )
+            await self.verbs.end({"name": name, "owner": owner, "token": token}, deadline, shared=shared)
+            return None
+        except (Busy, OutOfTime) as exc:  # nothing sent, though the lease was granted: it is in doubt now
+            attempt.unsure = True
+            raise DatabaseUnavailable(
+                f"lease on {name!r} was granted, but could not be extended before use ({exc})", sqlstate=exc.sqlstate
+            ) from exc
+        except DatabaseUnavailable:
+            attempt.unsure = True
+            raise
 
     # -- between attempts --------------------------------------------------------------
     async def _outage(self, exc: DatabaseUnavailable, name: str, delay: float, deadline: float) -> float:

@@ -222,6 +222,10 @@ class AsyncDriver:
         deadline is cut off (``DatabaseUnavailable``): it may or may not have
         committed. ``before`` runs first, in one transaction with ``sql``.
         ``waiting`` marks a waiting acquire's statement (see ``_checkout``).
+        The result's ``sent_at`` is when the statement that answered went out,
+        on a connection already open: the moment a lease it grants or extends
+        is trusted from (time spent connecting or waiting for a connection is
+        not, however long it took).
 
         A connection that breaks mid-statement is thrown away, with the idle
         ones (after a restart or failover they are all dead), and the statement
@@ -235,6 +239,9 @@ class AsyncDriver:
                 # Sent now, it could only be cut off: it would leave its outcome unknown for nothing.
                 raise OutOfTime(f"no time left for a statement on {self.where}")
             conn = await self._checkout(deadline, fresh=attempt == 2, waiting=waiting)
+            # Sent from now on, on an open connection: waiting for it or connecting is not counted
+            # (a lease is trusted from here, G5). A retry on a fresh connection takes its own.
+            sent_at = time.monotonic()
             timer: Armed | None = None
             result: tuple[list[Sequence[Any]], list[Sequence[Any]]]
             try:
@@ -285,7 +292,7 @@ class AsyncDriver:
             # Answered, though maybe in the instant it was cut: the result
             # stands, and a cut connection is not put back (_checkin).
             await self._checkin(conn)
-            return Result(*result, attempt == 2)
+            return Result(*result, attempt == 2, sent_at)
         raise AssertionError("unreachable")
 
     async def _statements(

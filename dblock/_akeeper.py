@@ -141,8 +141,9 @@ class AsyncKeeper:
         """One look of a wait to upgrade that ends at ``deadline`` (``AsyncVerbs.upgrade``)."""
         return await self._verbs.upgrade(name, owner, token, ttl, self._verbs.bound(deadline))
 
-    async def downgrade(self, name: str, owner: str, token: int, ttl: float) -> Grant | None:
-        """Back to the upgradeable reader's lease, or its ask to upgrade withdrawn (``AsyncVerbs.downgrade``)."""
+    async def downgrade(self, name: str, owner: str, token: int, ttl: float) -> tuple[Grant | None, float]:
+        """Back to the upgradeable reader's lease, or its ask to upgrade withdrawn, and when it was sent
+        (``AsyncVerbs.downgrade``)."""
         return await self._verbs.downgrade(name, owner, token, ttl, self._verbs.deadline())
 
     async def extend_many(

@@ -325,9 +325,8 @@ class AsyncUpgradeableLease(AsyncLease):
         if self.shared:
             return self
         renewing = self._pause_renewal()
-        sent_at = time.monotonic()
         try:
-            back = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
+            back, sent_at = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
         except BaseException:
             self._resume_renewal(renewing)
             raise
@@ -372,9 +371,8 @@ class AsyncUpgradeableLease(AsyncLease):
     async def _withdraw(self) -> None:
         """After a wait to upgrade that ended without the write lease: readers welcome again (or, if
         an unanswered look did upgrade, back to the reader's lease, with the token it got)."""
-        sent_at = time.monotonic()
         try:
-            back = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
+            back, sent_at = await self._keeper.downgrade(self.name, self.owner, self.token, self.ttl)
         except DBLockError as exc:  # the wait's own error is the one to raise: this one is logged
             release_log.warning(
                 "could not withdraw the ask to upgrade %r (%s): new readers wait until this lease ends or is released",

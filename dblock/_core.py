@@ -327,6 +327,7 @@ class Result(NamedTuple):
     rows: list[Sequence[Any]]  # the statement's rows
     extra: list[Sequence[Any]]  # the follow-up statement's rows (``then``), when the first returned none
     retried: bool  # the statement was sent a second time because the first connection broke
+    sent_at: float  # time.monotonic() as the statement that answered went out, on an open connection
 
 
 # -- what the verbs return (both faces) ------------------------------------------------

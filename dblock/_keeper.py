@@ -143,8 +143,9 @@ class Keeper:
         """One look of a wait to upgrade that ends at ``deadline`` (``Verbs.upgrade``)."""
         return self._verbs.upgrade(name, owner, token, ttl, self._verbs.bound(deadline))
 
-    def downgrade(self, name: str, owner: str, token: int, ttl: float) -> Grant | None:
-        """Back to the upgradeable reader's lease, or its ask to upgrade withdrawn (``Verbs.downgrade``)."""
+    def downgrade(self, name: str, owner: str, token: int, ttl: float) -> tuple[Grant | None, float]:
+        """Back to the upgradeable reader's lease, or its ask to upgrade withdrawn, and when it was sent
+        (``Verbs.downgrade``)."""
         return self._verbs.downgrade(name, owner, token, ttl, self._verbs.deadline())
 
     def extend_many(

@@ -7,7 +7,8 @@ from this module). The statements and what their rows mean are the
 backend's (``dblock.backends``); the driver sends them in bounded time. Here is
 what a verb needs around its statement: the binds, the follow-up a backend
 may need (SQLite's holder after a miss), the check after a release whose reply
-was lost, and when the statement was sent (a lease is trusted from then, G5).
+was lost, and when the statement was sent (a lease is trusted from then, G5: the
+driver's ``Result.sent_at``, taken on an open connection, so connecting is not counted).
 No waiting, no threads or tasks, no lease objects: the faces build on these.
 """
 
@@ -76,7 +77,6 @@ class Verbs:
         """
         sql = self.backend.sql
         params: dict[str, Any] = {"name": name, "owner": owner, "ttl": ttl, "label": label or self._label()}
-        sent_at = time.monotonic()
         if core.shared_kind(limit):
             params["limit"] = core.limit_bind(limit)
             params["upgradeable"] = core.upgradeable_bind(limit)
@@ -84,9 +84,9 @@ class Verbs:
                 sql.share_acquire, params, sql.share_holder, deadline=deadline, waiting=waiting
             )
             outcome, free = self.backend.share_acquired(result.rows, result.extra)
-            return outcome, free, sent_at
+            return outcome, free, result.sent_at
         result = self.driver.run(sql.acquire, params, sql.holder, deadline=deadline, waiting=waiting)
-        return self.backend.acquired(result.rows, result.extra), None, sent_at
+        return self.backend.acquired(result.rows, result.extra), None, result.sent_at
 
     def enqueue(
         self,
@@ -103,22 +103,19 @@ class Verbs:
     ) -> tuple[Grant | Queued | None, float]:
         """One look of a fair waiter: granted, or its place in line (None: look again); and when it was sent."""
         queue = self.backend.queue
-        sent_at = time.monotonic()
-        rows = (
-            self.driver.run(
-                queue.share_enqueue if core.shared_kind(limit) else queue.enqueue,
-                {
-                    "name": name, "owner": owner, "ttl": ttl, "label": label or self._label(),
-                    "proc": self._proc(), "lapse": self._lapse,
-                    "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
-                    "until": until, "seq": seq, "limit": core.limit_bind(limit),
-                    "upgradeable": core.upgradeable_bind(limit),
-                },
-                deadline=deadline,
-                waiting=True,
-            )
-        ).rows
-        return self.backend.enqueued(rows), sent_at
+        result = self.driver.run(
+            queue.share_enqueue if core.shared_kind(limit) else queue.enqueue,
+            {
+                "name": name, "owner": owner, "ttl": ttl, "label": label or self._label(),
+                "proc": self._proc(), "lapse": self._lapse,
+                "pid": ident[0] if ident else None, "start": ident[1] if ident else None,
+                "until": until, "seq": seq, "limit": core.limit_bind(limit),
+                "upgradeable": core.upgradeable_bind(limit),
+            },
+            deadline=deadline,
+            waiting=True,
+        )
+        return self.backend.enqueued(result.rows), result.sent_at
 
     def cancel(self, name: str, owner: str, seq: int | None, deadline: float) -> Grant | None:
         """Leave the fair queue: the lease a release handed ``owner`` first, or None."""
@@ -141,15 +138,13 @@ class Verbs:
     ) -> Extended | None:
         """Extend the lease by ``ttl`` s (database clock); None if it was released or taken over."""
         sql = self.backend.sql
-        sent_at = time.monotonic()
-        rows = (
-            self.driver.run(
-                sql.share_extend if shared else sql.extend,
-                {"name": name, "owner": owner, "token": token, "ttl": ttl},
-                deadline=deadline,
-            )
-        ).rows
-        return Extended(core.when(rows[0][0]), sent_at) if rows else None
+        result = self.driver.run(
+            sql.share_extend if shared else sql.extend,
+            {"name": name, "owner": owner, "token": token, "ttl": ttl},
+            deadline=deadline,
+        )
+        rows = result.rows
+        return Extended(core.when(rows[0][0]), result.sent_at) if rows else None
 
     def extend_many(
         self, leases: Sequence[tuple[str, str, int, float]], deadline: float, shared: bool = False
@@ -163,13 +158,10 @@ class Verbs:
         """
         sql = self.backend.sql
         params = self.backend.batch(sorted(leases))  # by name: row locks in one order
-        sent_at = time.monotonic()
-        rows = (
-            self.driver.run(
-                sql.share_extend_many if shared else sql.extend_many, params, deadline=deadline, waiting=True
-            )
-        ).rows
-        return sent_at, self.backend.extended(rows, [(lease[0], lease[2]) for lease in leases])
+        result = self.driver.run(
+            sql.share_extend_many if shared else sql.extend_many, params, deadline=deadline, waiting=True
+        )
+        return result.sent_at, self.backend.extended(result.rows, [(lease[0], lease[2]) for lease in leases])
 
     def end(self, key: dict[str, Any], deadline: float, hold: float = 0.0, *, shared: bool = False) -> Ended:
         """Release the lease ``key`` (name, owner, token): ended by this call, or kept until
@@ -198,14 +190,10 @@ class Verbs:
         granted (the write lease's token and expiry), a miss (other holders; from now on no
         shared lease of ``name`` is granted until this owner upgrades or withdraws), or None
         (the read lease is gone); and when the statement was sent."""
-        sent_at = time.monotonic()
-        rows = (
-            self.driver.run(
-                self.backend.sql.upgrade,
-                {"name": name, "owner": owner, "token": token, "ttl": ttl},
-                deadline=deadline,
-            )
-        ).rows
+        result = self.driver.run(
+            self.backend.sql.upgrade, {"name": name, "owner": owner, "token": token, "ttl": ttl}, deadline=deadline
+        )
+        rows, sent_at = result.rows, result.sent_at
         if not rows:
             return None, sent_at
         granted, new_token, expires_at, wait = rows[0]
@@ -213,17 +201,17 @@ class Verbs:
             return Grant(int(new_token), core.when(expires_at)), sent_at
         return Miss(None if wait is None else float(wait)), sent_at
 
-    def downgrade(self, name: str, owner: str, token: int, ttl: float, deadline: float) -> Grant | None:
+    def downgrade(
+        self, name: str, owner: str, token: int, ttl: float, deadline: float
+    ) -> tuple[Grant | None, float]:
         """The write lease (``token``) back to the upgradeable reader's lease, or that reader's ask to
-        upgrade withdrawn: its token and expiry; None if the lease was released or taken over."""
-        rows = (
-            self.driver.run(
-                self.backend.sql.downgrade,
-                {"name": name, "owner": owner, "token": token, "ttl": ttl},
-                deadline=deadline,
-            )
-        ).rows
-        return Grant(int(rows[0][0]), core.when(rows[0][1])) if rows else None
+        upgrade withdrawn: its token and expiry, None if the lease was released or taken over; and
+        when the statement was sent."""
+        result = self.driver.run(
+            self.backend.sql.downgrade, {"name": name, "owner": owner, "token": token, "ttl": ttl}, deadline=deadline
+        )
+        rows = result.rows
+        return (Grant(int(rows[0][0]), core.when(rows[0][1])) if rows else None), result.sent_at
 
     def forget(self, name: str, owner: str, shared: bool = False) -> None:
         """After an attempt whose reply was lost: take ``owner`` out of ``name``'s queue, and end

@@ -7,6 +7,13 @@ statement has committed) is swallowed, and the connection is cut: the client
 sees a dropped connection after its statement took effect. ``pause()`` makes
 the database silent (nothing is forwarded, new connections hang) until
 ``resume()``, like a network partition that drops packets.
+
+Two delays make a slow network: ``connect_delay`` (seconds) holds the first
+bytes of each new connection that long before they go on, as a handshake
+retransmitted across a partition that healed would be; ``delay_replies(s, about)``
+holds the server's reply to the next round trip whose messages hold the bytes
+``about`` (a lock's name, say) that long: the statement has run, its answer
+comes late.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 from sqlalchemy.engine import make_url
@@ -48,6 +56,9 @@ class PgProxy:
         self.dropped = threading.Event()
         self.dropped_kinds: set[bytes] = set()  # message kinds of the round trip whose reply was lost
         self._drop_armed = False
+        self.connect_delay = 0.0  # seconds the first bytes of each new connection are held
+        self._delays: list[float] = []  # seconds each next round trip about _about has its reply held
+        self._about = b""
         self._flowing = threading.Event()
         self._flowing.set()
         self._closing = False
@@ -69,6 +80,11 @@ class PgProxy:
         with self.lock:
             self._drop_armed = True
             self.dropped.clear()
+
+    def delay_replies(self, seconds: float, about: bytes, times: int = 1) -> None:
+        """Hold the replies of the next ``times`` round trips whose messages hold ``about`` ``seconds`` each."""
+        with self.lock:
+            self._delays, self._about = [seconds] * times, about
 
     def pause(self) -> None:
         self._flowing.clear()
@@ -108,7 +124,7 @@ class PgProxy:
             self._socks += [client, server]
             with self.lock:
                 self.connections += 1
-            state = {"dropping": False}
+            state = {"dropping": False, "delay": 0.0}
             threading.Thread(target=self._frontend, args=(client, server, state), daemon=True).start()
             threading.Thread(target=self._backend, args=(server, client, state), daemon=True).start()
 
@@ -124,6 +140,8 @@ class PgProxy:
 
     def _frontend(self, client: socket.socket, server: socket.socket, state: dict) -> None:
         try:
+            if self.connect_delay:
+                time.sleep(self.connect_delay)  # the handshake's first bytes arrive late
             while True:  # startup: answer SSL/GSS requests with 'N' ourselves
                 (length,) = struct.unpack("!I", self._read(client, 4))
                 body = self._read(client, length - 4)
@@ -134,11 +152,13 @@ class PgProxy:
                 server.sendall(struct.pack("!I", length) + body)
                 break
             kinds: set[bytes] = set()
+            about = False  # this round trip's messages hold the bytes a delay is armed for
             while True:
                 kind = self._read(client, 1)
                 (length,) = struct.unpack("!I", self._read(client, 4))
                 body = self._read(client, length - 4)
                 kinds.add(kind)
+                about = about or bool(self._delays and self._about in body)
                 if kind in (b"S", b"Q"):
                     with self.lock:
                         self.round_trips += 1
@@ -148,7 +168,9 @@ class PgProxy:
                             self._drop_armed = False
                             state["dropping"] = True
                             self.dropped_kinds = kinds
-                    kinds = set()
+                        if about and self._delays:
+                            state["delay"] = self._delays.pop(0)
+                    kinds, about = set(), False
                 self._flowing.wait()
                 server.sendall(kind + struct.pack("!I", length) + body)
         except (ConnectionError, OSError):
@@ -162,6 +184,9 @@ class PgProxy:
                 kind = self._read(server, 1)
                 (length,) = struct.unpack("!I", self._read(server, 4))
                 body = self._read(server, length - 4)
+                if state["delay"]:
+                    delay, state["delay"] = state["delay"], 0.0
+                    time.sleep(delay)  # the reply's first bytes come late, the rest after them
                 if state["dropping"]:
                     if kind == b"Z":  # the statement is done and committed: cut the line
                         self.dropped.set()

@@ -121,11 +121,13 @@ class Scenario:
 def scenario(pg_url: str) -> Iterator[Scenario]:
     """One client after another on NAME, on a table of its own, recorded:
 
-    A takes the lock (ttl 50 ms), extends it to 200 ms and releases it; B takes it (50 ms)
-    and leaves it to run out; C takes it over, extends and releases it. Reader R1 (200 ms)
-    and a semaphore holder S (limit 2, 50 ms) share it; S extends and leaves, then R1
+    A takes the lock (ttl 0.5 s), extends it to 2 s and releases it; B takes it (0.5 s)
+    and leaves it to run out; C takes it over, extends and releases it. Reader R1 (2 s)
+    and a semaphore holder S (limit 2, 0.5 s) share it; S extends and leaves, then R1
     (the last live holder: the row is freed). Writer W takes and releases it. Reader R2
-    (50 ms) leaves its lease to run out; S2 (limit 1) sweeps it away and takes a slot.
+    (0.5 s) leaves its lease to run out; S2 (limit 1) sweeps it away and takes a slot.
+    The ttls are long enough that no grant comes back with less than half of one left to
+    trust, which its acquire would extend before returning (a step more in the trace).
     """
     db = Db("postgresql", pg_url, "t_" + secrets.token_hex(6))
     Locker(db.url, table=db.table).create_schema()
@@ -145,19 +147,19 @@ def scenario(pg_url: str) -> Iterator[Scenario]:
                 calls.append(Call(lease.owner, lease.token, lease.shared, int(extend is not None),
                                   release and lease.release()))
 
-            took("A", locker.try_acquire(NAME, ttl=0.05), extend=0.2)
-            took("B", locker.try_acquire(NAME, ttl=0.05), release=False)
-            time.sleep(0.08)
-            took("C", locker.try_acquire(NAME, ttl=0.05), extend=0.05)
-            r1 = readers.try_acquire(ttl=0.2)
-            took("S", pair.try_acquire(ttl=0.05), extend=0.05)
+            took("A", locker.try_acquire(NAME, ttl=0.5), extend=2.0)
+            took("B", locker.try_acquire(NAME, ttl=0.5), release=False)
+            time.sleep(0.8)
+            took("C", locker.try_acquire(NAME, ttl=0.5), extend=0.5)
+            r1 = readers.try_acquire(ttl=2.0)
+            took("S", pair.try_acquire(ttl=0.5), extend=0.5)
             took("R1", r1)
-            took("W", locker.try_acquire(NAME, ttl=0.05))
-            took("R2", readers.try_acquire(ttl=0.05), release=False)
-            time.sleep(0.08)
-            took("S2", single.try_acquire(ttl=0.05))
+            took("W", locker.try_acquire(NAME, ttl=0.5))
+            took("R2", readers.try_acquire(ttl=0.5), release=False)
+            time.sleep(0.8)
+            took("S2", single.try_acquire(ttl=0.5))
             changes = mt.read(conn, db.table, NAME)
-        yield Scenario(Trace(NAME, [0.05, 0.2], changes, calls), leases)
+        yield Scenario(Trace(NAME, [0.5, 2.0], changes, calls), leases)
     finally:
         db.drop()
 
@@ -184,7 +186,7 @@ def renewed(s: Scenario, role: str, change: Callable[[Change], Change]) -> list[
 
 
 def takeover_while_live(s: Scenario) -> Conversion:
-    # C's takeover of B's lease, moved to 1 ms after B's grant: B's lease (50 ms) is live.
+    # C's takeover of B's lease, moved to 1 ms after B's grant: B's lease (0.5 s) is live.
     b_granted = s.changes(s.tx("B"))[0].at
     return mt.steps(shift(s.trace.changes, s.tx("C"), b_granted + 1000))
 

@@ -50,6 +50,7 @@ SOURCES = [
     ("tests/test_upgradeable_faces_async.py", "tests/test_upgradeable_faces.py"),
     ("tests/test_election_faces_async.py", "tests/test_election_faces.py"),
     ("tests/test_lost_block_faces_async.py", "tests/test_lost_block_faces.py"),
+    ("tests/test_trust_faces_async.py", "tests/test_trust_faces.py"),
 ]
 
 RENAMES = {
