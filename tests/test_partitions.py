@@ -326,7 +326,6 @@ def test_every_call_is_bounded_under_a_blackhole_and_the_same_locker_recovers_af
     taken.release()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="trust counted before the connect")
 def test_a_lease_granted_over_a_connect_that_spans_the_heal_is_trusted_for_most_of_its_ttl(part: Partition) -> None:
     """A try_acquire that must open its connection, begun in the blackhole: the kernel
     retransmits the connect's SYN, the link heals, the connect completes a retransmission
