@@ -16,6 +16,7 @@ them (``backend.caps``), never on the database's name.
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Sequence
@@ -475,6 +476,56 @@ def test_semaphore_limit_is_respected(db: Db, wire: Wire) -> None:
     assert len(wire.leases()["x"]) == 2
     assert len(wire.run(wire.sql.share_release, name="x", owner=s1, token=first.token)) == 1
     assert wire.share_grant("x", s3, limit=2).token > second.token
+
+
+def test_a_shared_grant_forgets_every_holder_it_did_not_count(db: Db, wire: Wire) -> None:
+    """A shared grant forgets every holder it did not count as live, even one whose lease ran out
+    while the grant waited for a row lock: that holder's extend then answers zero rows, so no
+    extend brings a holder back beside a grant that took its slot (one holder more than a limit)."""
+    reader, lapsing, stale, late = owner(), owner(), owner(), owner()
+    wire.share_grant("x", reader)  # a reader: no limit of its own, live throughout
+    lapsing_grant = wire.share_grant("x", lapsing, ttl=2.0)
+    wire.share_grant("x", stale, ttl=TINY)
+    wire.let_clock_pass(2 * TINY)  # stale has run out, and nobody forgot it yet
+    blocker = None
+    if db.backend != "sqlite":  # a server: hold stale's row, which the grant must forget, so it waits there
+        h = holders_table_name(db.table)
+        blocker = db.connect()
+        lock = f"SELECT token FROM {h} WHERE name = 'x' AND owner = %s FOR UPDATE"
+        if db.backend == "mariadb":
+            cur = blocker.cursor()
+            cur.execute("BEGIN")
+            cur.execute(lock, (stale,))
+        else:
+            blocker.execute("BEGIN")
+            blocker.execute(lock, (stale,))
+    outcome: list[Grant | Miss] = []
+    contender = Wire(wire.backend)
+    asking = threading.Thread(target=lambda: outcome.append(contender.share("x", late, limit=2)[0]))
+    asking.start()
+    try:
+        if blocker is not None:
+            # MariaDB lists the block's statement that runs (its DELETE), PostgreSQL the function call.
+            like = f"%{h}%<=%" if db.backend == "mariadb" else "%" + wire.sql.share_acquire.split("(")[0].strip() + "%"
+            wait_for(lambda: db.lock_waits(like), what="the grant to wait for the stale holder's row")
+            live = f"SELECT 1 FROM {h} WHERE name = 'x' AND owner = %s AND expires_at > {db.now}"
+            assert db.query(live, (lapsing,)), "the lapsing lease ran out before the grant began: nothing tested"
+            wait_for(lambda: not db.query(live, (lapsing,)), what="the lapsing lease to run out by the database clock")
+            blocker.commit() if db.backend == "mariadb" else blocker.execute("COMMIT")
+        else:
+            wire.let_clock_pass(2.0)
+    finally:
+        if blocker is not None:
+            blocker.close()
+        asking.join(30)
+        contender.close()
+    assert not asking.is_alive()
+    extended = wire.run(wire.sql.share_extend, name="x", owner=lapsing, token=lapsing_grant.token, ttl=60)
+    (granted,) = outcome
+    if isinstance(granted, Grant):  # the grant counted the lapsing lease out: it forgot it
+        assert extended == []
+    live_holders = [r[1] for r in wire.leases()["x"]]
+    assert late not in live_holders or len(live_holders) <= 2, live_holders
 
 
 def test_shared_grants_draw_larger_tokens(db: Db, wire: Wire) -> None:

@@ -12,7 +12,9 @@ How the statements keep the guarantees:
 - Times are Unix seconds (DOUBLE), computed by the server: ``NOW(6)`` (the
   statement's start) to compare, ``SYSDATE(6)`` (the moment it is read) for
   a new expiry, in a session whose time zone is UTC, so no daylight-saving
-  hour is read twice.
+  hour is read twice. In a ``BEGIN NOT ATOMIC`` block each statement has its
+  own start, so a block that compares in several statements reads ``NOW(6)``
+  once into a variable and compares with that.
 - A name's row is locked by the statement that grants it (an ``UPDATE`` locks
   the row, then computes the new values from its latest committed version),
   and its token is the row's own token plus one: drawn after the row lock, so
@@ -679,6 +681,9 @@ COMMIT"""
 
 def _shared(t: str, h: str) -> dict[str, str]:
     live = f"name = %(name)s AND expires_at > {NOW}"
+    # Inside a BEGIN NOT ATOMIC block NOW(6) is each statement's own start, not the block's:
+    # a block that decides in several statements reads the time once (after the row lock).
+    live_then = "name = %(name)s AND expires_at > @dblock_now"
     # share_acquire
     # binds: name, owner, ttl, label, limit, upgradeable (1: the upgradeable reader)
     # returns one row (token, expires_at, free) when granted: free is the slots the
@@ -690,8 +695,10 @@ def _shared(t: str, h: str) -> dict[str, str]:
     #   missing), as every statement that changes a name's holders does: the row's
     #   token plus one is the grant's, written back into the row (owner '*shared', an
     #   expiry no earlier than every live holder's), so the next grant of any kind
-    #   draws above it. Holders that ran out are forgotten here. A second attempt with
-    #   the same owner is a miss (not a retry-safe upsert), as on SQLite.
+    #   draws above it. Holders that ran out are forgotten here, by the same moment the
+    #   live ones are counted at (read once, after the row lock): a holder counted as
+    #   gone is gone, and its extend can no longer bring it back beside the new grant.
+    #   A second attempt with the same owner is a miss (not a retry-safe upsert), as on SQLite.
     share_acquire = f"""BEGIN NOT ATOMIC
 START TRANSACTION;
 SET @dblock_o = NULL, @dblock_t = NULL, @dblock_x = NULL;
@@ -702,17 +709,18 @@ IF @dblock_t IS NULL THEN
     ON DUPLICATE KEY UPDATE name = name;
     SELECT owner, token, expires_at INTO @dblock_o, @dblock_t, @dblock_x FROM {t} WHERE name = %(name)s FOR UPDATE;
 END IF;
-DELETE FROM {h} WHERE name = %(name)s AND expires_at <= {NOW};
-SELECT COUNT(*), MIN(lim) INTO @dblock_n, @dblock_m FROM {h} WHERE {live};
-SET @dblock_ok = (@dblock_o IS NULL OR @dblock_o = {_SHARED} OR @dblock_x <= {NOW})
+SET @dblock_now = {NOW};
+DELETE FROM {h} WHERE name = %(name)s AND expires_at <= @dblock_now;
+SELECT COUNT(*), MIN(lim) INTO @dblock_n, @dblock_m FROM {h} WHERE {live_then};
+SET @dblock_ok = (@dblock_o IS NULL OR @dblock_o = {_SHARED} OR @dblock_x <= @dblock_now)
     AND (%(limit)s IS NULL OR @dblock_n < %(limit)s) AND (@dblock_m IS NULL OR @dblock_n < @dblock_m)
-    AND NOT EXISTS (SELECT 1 FROM {h} WHERE {live} AND upgradeable >= 2 - %(upgradeable)s),
+    AND NOT EXISTS (SELECT 1 FROM {h} WHERE {live_then} AND upgradeable >= 2 - %(upgradeable)s),
     @dblock_e = {EXPIRES};
 INSERT IGNORE INTO {h} (name, owner, token, acquired_at, expires_at, label, lim, upgradeable)
-SELECT %(name)s, %(owner)s, @dblock_t + 1, {NOW}, @dblock_e, %(label)s, %(limit)s, %(upgradeable)s
+SELECT %(name)s, %(owner)s, @dblock_t + 1, @dblock_now, @dblock_e, %(label)s, %(limit)s, %(upgradeable)s
 FROM DUAL WHERE @dblock_ok;
 SET @dblock_ok = @dblock_ok AND ROW_COUNT() > 0;
-UPDATE {t} SET owner = {_SHARED}, token = @dblock_t + 1, acquired_at = {NOW}, label = NULL,
+UPDATE {t} SET owner = {_SHARED}, token = @dblock_t + 1, acquired_at = @dblock_now, label = NULL,
     expires_at = IF(@dblock_o = {_SHARED} AND @dblock_x > @dblock_e, @dblock_x, @dblock_e)
 WHERE name = %(name)s AND @dblock_ok;
 SELECT @dblock_t + 1, @dblock_e, LEAST(COALESCE(@dblock_m, %(limit)s), COALESCE(%(limit)s, @dblock_m)) - @dblock_n - 1
