@@ -184,10 +184,14 @@ class Worker:
     # -- holds and writes ---------------------------------------------------------------
     def hold(self, name: str, role: str, token: int, remaining: float) -> None:
         now = mono()
+        if self.options.get("mutant") == "overtrust":
+            remaining += self.ttl
         self.log(e="hold", name=name, role=role, token=token, t0=now, until=now + remaining)
 
     def trust(self, name: str, token: int, remaining: float) -> bool:
         """Log how long the lease is trusted from now; False once it is not."""
+        if self.options.get("mutant") == "overtrust":
+            remaining += self.ttl  # believes the lease lasts a ttl longer than it does
         if remaining <= 0:
             return False
         self.log(e="until", name=name, token=token, until=mono() + remaining)
@@ -208,9 +212,18 @@ class Worker:
         wid = self.write_id()
         stmt = update(w).where(w.c.name == name).values(n=w.c.n + 1, write_id=wid)
         token = lease if isinstance(lease, int) else lease.token
+        mutant = self.options.get("mutant")
         try:
-            with self.engine.begin() as conn:
-                self.dblock.fenced_update(conn, stmt, lease)
+            if mutant == "lost" and (self.seq == 1 or self.rnd.random() < 0.2):
+                with self.engine.connect() as conn:
+                    self.dblock.fenced_update(conn, stmt, lease)
+                    conn.rollback()  # and then says it committed
+            else:
+                with self.engine.begin() as conn:
+                    if mutant == "unfenced":  # stamps the token, checks nothing
+                        conn.execute(stmt.values(fence_token=token))
+                    else:
+                        self.dblock.fenced_update(conn, stmt, lease)
         except self.dblock.FencedOut:
             self.log(e="refused", name=name, token=token, fenced=True)
             return
@@ -240,9 +253,10 @@ class Worker:
     def pause(self, most: float) -> None:
         time.sleep(self.rnd.uniform(0, most))
 
-    def release(self, lease: Any) -> None:
+    def release(self, lease: Any, count: int = 1) -> None:
         try:
-            self.call("release", self.bound_op(), lease.release)
+            # A group's release is one release per lease, one after the other.
+            self.call("release", count * self.bound_op(), lease.release)
         except self.dblock.DBLockError:
             pass
 
@@ -264,6 +278,8 @@ class Worker:
         for _ in range(self.rnd.randint(1, 3)):
             if not self.trust(name, lease.token if not isinstance(lease, int) else lease, remaining()):
                 return
+            if self.options.get("mutant") and (self.seq == 0 or self.rnd.random() < 0.3):
+                time.sleep(1.5 * self.ttl)  # a pause past the ttl, between the check and the write
             write()
             self.pause(most / 3)
 
@@ -368,11 +384,12 @@ class Worker:
         finally:
             for name in names:
                 self.end(name, tokens[name])
-            self.release(group)
+            self.release(group, len(names))
 
     def role_elect(self) -> None:
         election = self.locker.election("el")
-        term = self.call("campaign", self.bound_wait(), election.campaign, ttl=self.ttl, timeout=WAIT, value=self.wid)
+        # A waiting acquire, then one statement that writes the value and reads when the term began.
+        term = self.call("campaign", self.bound_wait() + self.bound_op(), election.campaign, ttl=self.ttl, timeout=WAIT, value=self.wid)
         self.hold("el", "w", term.token, term.remaining())
         try:
             stop = mono() + self.rnd.uniform(0.5 * self.ttl, 2 * self.ttl)
@@ -389,9 +406,17 @@ class Worker:
 
 def worker_main(argv: list[str]) -> None:
     role, wid, url, log, until, options = argv
-    # The deadline arrives as seconds from now: monotonic clocks agree across processes, but
-    # this keeps the command line readable.
-    worker = Worker(role, wid, url, log, mono() + float(until), json.loads(options))
+    opts = json.loads(options)
+    worker = Worker(role, wid, url, log, mono() + float(until), opts)
+    if "go" in opts:
+        # Ready: wait for the start, whose file says when to stop (on CLOCK_MONOTONIC, one clock
+        # for every process of the machine). On a busy machine starting takes seconds: the run's
+        # minutes count from when every worker is ready.
+        worker.log(e="ready", t=mono())
+        go = Path(opts["go"])
+        while not go.exists():
+            time.sleep(0.05)
+        worker.until = json.loads(go.read_text())["until"]
     try:
         worker.run()
     except BaseException:
@@ -452,6 +477,7 @@ class Postgres:
                 "-c max_connections=300",
                 "-c fsync=off",  # a crash of the server's processes loses nothing; only a crash of the machine would
                 "-c full_page_writes=off",
+                "-c max_wal_size=256MB",
                 # Connections of clients cut off for good are found and closed.
                 "-c tcp_keepalives_idle=5",
                 "-c tcp_keepalives_interval=2",
@@ -641,8 +667,10 @@ class Soak:
         self.spawned += 1
         log = self.dir / f"w{self.spawned:04d}-{role}{index}.jsonl"
         url = self.bouncer.url if options.get("bouncer") else self.server.tcp_url if options.get("net") else self.server.url
-        left = max(0.0, self.end - mono())
-        opts = {**options, "ttl": self.ttl, "seed": self.args.seed}
+        left = 0.0  # the go file says
+        opts = {**options, "ttl": self.ttl, "seed": self.args.seed, "go": str(self.go)}
+        if self.args.mutant and role in ("ex", "writer"):
+            opts["mutant"] = self.args.mutant
         command = [sys.executable, str(Path(__file__).resolve()), "worker", role, f"{role}{index}", url, str(log), f"{left:.3f}", json.dumps(opts)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         stderr = open(self.dir / (log.stem + ".err"), "wb")  # noqa: SIM115 - the child keeps it
@@ -707,7 +735,8 @@ class Soak:
             self.net.cut()
             self.cut_at = mono()
             self.heal_at = self.cut_at + length
-            detail = f"{sum(1 for p in self.procs if p.options.get('net'))} clients cut off for {length:.1f} s"
+            cut = sum(1 for p in self.procs if p.options.get("net") and not p.killed)
+            detail = f"{cut} clients cut off for {length:.1f} s"
         self.faults[kind] += 1
         self.fault_log.append((t, kind, detail))
         print(f"[{t - self.start:7.1f} s] {kind} {detail} ({mono() - t:.1f} s)", flush=True)
@@ -749,13 +778,25 @@ class Soak:
             self.server = Postgres(self.net)
             self.bouncer = Bouncer(self.server)
             setup_schema(self.server.url)
-            self.start = mono()
-            self.end = self.start + args.minutes * 60
+            self.go = self.dir / "go.json"
+            self.start = self.end = mono() + 3600  # for now: the workers wait for the go file
             for role, count, options in WORKERS:
                 if options.get("net") and self.net is None:
                     continue
                 for i in range(count):
                     self.spawn(role, len([p for p in self.procs if p.role == role]), options)
+            ready_by = mono() + 300
+            while not all(any(ev.get("e") == "ready" for ev in read_events(p.log)) for p in self.procs):
+                dead = [p for p in self.procs if p.popen.poll() is not None]
+                if dead or mono() > ready_by:
+                    why = (self.dir / (dead[0].log.stem + ".err")).read_text(errors="replace")[-2000:] if dead else "timeout"
+                    raise RuntimeError(f"the workers did not get ready: {why}")
+                time.sleep(0.2)
+            self.start = mono()
+            self.end = self.start + args.minutes * 60
+            tmp = self.dir / "go.tmp"
+            tmp.write_text(json.dumps({"until": self.end}))
+            tmp.rename(self.go)
             kinds = ["pg-restart-fast", "pg-restart-immediate", "holder-sigkill", "holder-sigstop", "pgbouncer-restart"]
             if self.net is not None:
                 kinds.append("partition")
@@ -895,6 +936,7 @@ class Soak:
         paused_calls = 0
         odd: list[str] = []
         outcomes: Counter[str] = Counter()
+        closest: tuple[float, str] = (-1.0, "")
         for pid, ev in events:
             if ev["e"] != "call":
                 continue
@@ -903,6 +945,9 @@ class Soak:
             if ev["out"].startswith("!"):
                 odd.append(f"{ev['op']} raised {ev['out']}")
             took = ev["t1"] - ev["t0"]
+            paused = any(s < ev["t1"] and ev["t0"] < c for s, c in self.stops.get(pid, []))
+            if not paused and took / ev["bound"] > closest[0]:
+                closest = (took / ev["bound"], f"{ev['op']} took {took:.2f} s of its {ev['bound']:.2f} s ({ev['out']})")
             if took > ev["bound"]:
                 if any(s < ev["t1"] and ev["t0"] < c for s, c in self.stops.get(pid, [])):
                     paused_calls += 1
@@ -947,10 +992,12 @@ class Soak:
         ]
         width = max(len(k) for k, _ in table)
         print()
-        print(f"| {'':{width}} | {'':>8} |".replace(" ", " "))
+        print(f"| {'':{width}} | {'count':>8} |")
         print(f"|{'-' * (width + 2)}|{'-' * 10}|")
         for k, v in table:
             print(f"| {k:{width}} | {v:>8} |")
+        print()
+        print(f"slowest call against its bound (paused processes aside): {closest[1] or 'none'}")
         print()
         if problems:
             print(f"VIOLATIONS ({len(problems)}):")
@@ -1012,6 +1059,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-partitions", dest="partitions", action="store_false",
         help="no network namespaces (partitions need root and ip netns)",
+    )
+    parser.add_argument(
+        "--mutant", choices=["unfenced", "overtrust", "lost"],
+        help="check the audit itself: the exclusive lock's writers pause past their ttl before some writes, and "
+        "write without the fence (unfenced), trust their lease a ttl too long (overtrust), or report writes "
+        "they rolled back (lost); the audit must then report violations",
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the workers' logs in DIR")
     args = parser.parse_args(argv)
