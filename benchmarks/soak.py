@@ -484,7 +484,8 @@ class Postgres:
                 "-c tcp_keepalives_count=3",
             ]
         )
-        self.ctl(["-w", "-t", "60", "-o", options, "-l", str(self.pgdata / "soak.log"), "start"])
+        self.options = options
+        self.start()
         self.url = (
             f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
             if net is None
@@ -503,6 +504,9 @@ class Postgres:
             out.seek(0)
             if done.returncode != 0:
                 raise RuntimeError(f"pg_ctl {' '.join(args)} failed: {out.read().strip()}")
+
+    def start(self) -> None:
+        self.ctl(["-w", "-t", "60", "-o", self.options, "-l", str(self.pgdata / "soak.log"), "start"])
 
     def restart(self, mode: str) -> None:
         self.ctl(["-w", "-t", "60", "-m", mode, "-l", str(self.pgdata / "soak.log"), "restart"])
@@ -741,6 +745,19 @@ class Soak:
         self.fault_log.append((t, kind, detail))
         print(f"[{t - self.start:7.1f} s] {kind} {detail} ({mono() - t:.1f} s)", flush=True)
 
+    def recover(self) -> None:
+        """After a fault that could not be injected: the server and the pooler up again."""
+        assert self.server is not None and self.bouncer is not None
+        try:
+            self.server.start()
+        except Exception:  # noqa: BLE001 - it was up
+            pass
+        if self.bouncer.proc is None or self.bouncer.proc.poll() is not None:
+            try:
+                self.bouncer.start()
+            except Exception as exc:  # noqa: BLE001
+                self.problems.append(f"harness: pgbouncer did not come back: {exc}")
+
     def continue_due(self, everything: bool = False) -> None:
         now = mono()
         if self.heal_at is not None and (everything or now >= self.heal_at):
@@ -808,7 +825,13 @@ class Soak:
                     if not round_:
                         round_ = kinds[:]
                         self.rnd.shuffle(round_)
-                    self.fault(round_.pop())
+                    kind = round_.pop()
+                    try:
+                        self.fault(kind)
+                    except Exception as exc:  # noqa: BLE001 - the harness's own trouble: say so, carry on
+                        self.problems.append(f"harness: could not inject {kind}: {exc}")
+                        print(f"harness: could not inject {kind}: {exc}", flush=True)
+                        self.recover()
                     next_fault = mono() + args.fault_every * self.rnd.uniform(0.6, 1.4)
                 time.sleep(0.05)
             self.continue_due(everything=True)
@@ -1006,14 +1029,6 @@ class Soak:
             return 1
         print("clean: no violation")
         return 0
-
-    @property
-    def start(self) -> float:
-        return self._start
-
-    @start.setter
-    def start(self, value: float) -> None:
-        self._start = value
 
 
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
