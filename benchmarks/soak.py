@@ -1,6 +1,7 @@
 """A soak: many processes on every lock kind for N minutes under a schedule of faults, audited.
 
     python benchmarks/soak.py [--minutes 1] [--ttl 2] [--fault-every 6] [--seed N] [--keep DIR]
+                              [--no-partitions] [--mutant unfenced|overtrust|lost]
 
 It starts its own throwaway PostgreSQL (pgserver's binaries, listening on
 127.0.0.1 only) and a real PgBouncer in transaction mode before it, so that it
@@ -22,8 +23,11 @@ records, in the same transaction as each write, the token and the write's id.
 
 Faults, in shuffled rounds, one every ``--fault-every`` seconds: a PostgreSQL
 restart (fast and immediate shutdown), a holder killed (SIGKILL, then started
-again), a holder paused (SIGSTOP for longer than the ttl, then SIGCONT), and a
-PgBouncer restart.
+again), a holder paused (SIGSTOP for longer than the ttl, then SIGCONT), a
+PgBouncer restart, and, as root, a partition: the server runs in a network
+namespace and some clients in another (``tests/netns.py``), whose veth link is
+set down for longer than the ttl (packets dropped, no RST), then up again.
+Everything listens on loopback or on addresses inside those namespaces only.
 
 The audit, at the end:
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pwd
 import random
@@ -133,12 +138,13 @@ def work_table() -> Any:
 
 
 class Worker:
-    def __init__(self, role: str, wid: str, url: str, log: str, until: float, options: dict[str, Any]) -> None:
+    def __init__(self, role: str, wid: str, url: str, log: str, options: dict[str, Any]) -> None:
         import dblock
         from sqlalchemy import create_engine
 
         self.dblock = dblock
-        self.role, self.wid, self.until, self.options = role, wid, until, options
+        self.role, self.wid, self.options = role, wid, options
+        self.until = math.inf  # set by the go file
         self.log = Log(log)
         self.ttl = float(options["ttl"])
         self.rnd = random.Random(options.get("seed", 0) * 1000 + os.getpid())
@@ -405,18 +411,17 @@ class Worker:
 
 
 def worker_main(argv: list[str]) -> None:
-    role, wid, url, log, until, options = argv
+    role, wid, url, log, options = argv
     opts = json.loads(options)
-    worker = Worker(role, wid, url, log, mono() + float(until), opts)
-    if "go" in opts:
-        # Ready: wait for the start, whose file says when to stop (on CLOCK_MONOTONIC, one clock
-        # for every process of the machine). On a busy machine starting takes seconds: the run's
-        # minutes count from when every worker is ready.
-        worker.log(e="ready", t=mono())
-        go = Path(opts["go"])
-        while not go.exists():
-            time.sleep(0.05)
-        worker.until = json.loads(go.read_text())["until"]
+    worker = Worker(role, wid, url, log, opts)
+    # Ready: wait for the start, whose file says when to stop (on CLOCK_MONOTONIC, one clock for
+    # every process of the machine). On a busy machine starting takes seconds: the run's minutes
+    # count from when every worker is ready. A worker started again after a kill goes at once.
+    worker.log(e="ready", t=mono())
+    go = Path(opts["go"])
+    while not go.exists():
+        time.sleep(0.05)
+    worker.until = json.loads(go.read_text())["until"]
     try:
         worker.run()
     except BaseException:
@@ -671,11 +676,10 @@ class Soak:
         self.spawned += 1
         log = self.dir / f"w{self.spawned:04d}-{role}{index}.jsonl"
         url = self.bouncer.url if options.get("bouncer") else self.server.tcp_url if options.get("net") else self.server.url
-        left = 0.0  # the go file says
         opts = {**options, "ttl": self.ttl, "seed": self.args.seed, "go": str(self.go)}
         if self.args.mutant and role in ("ex", "writer"):
             opts["mutant"] = self.args.mutant
-        command = [sys.executable, str(Path(__file__).resolve()), "worker", role, f"{role}{index}", url, str(log), f"{left:.3f}", json.dumps(opts)]
+        command = [sys.executable, str(Path(__file__).resolve()), "worker", role, f"{role}{index}", url, str(log), json.dumps(opts)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         stderr = open(self.dir / (log.stem + ".err"), "wb")  # noqa: SIM115 - the child keeps it
         if options.get("net"):
@@ -929,7 +933,7 @@ class Soak:
         # The database's record.
         with psycopg.connect(self.server.url.replace("+psycopg", ""), autocommit=True) as conn:
             rows = conn.execute(f"SELECT id, name, token, write_id FROM {SCHEMA}.audit ORDER BY id").fetchall()
-            counters = dict(conn.execute(f"SELECT name, n FROM {SCHEMA}.work").fetchall())
+            counters: dict[str, int] = dict(conn.execute(f"SELECT name, n FROM {SCHEMA}.work").fetchall())
         recorded: Counter[str] = Counter()
         per_name: Counter[str] = Counter()
         last_token: dict[str, int] = {}
