@@ -1,7 +1,7 @@
 """A soak: many processes on every lock kind for N minutes under a schedule of faults, audited.
 
     python benchmarks/soak.py [--minutes 1] [--ttl 2] [--fault-every 6] [--seed N] [--keep DIR]
-                              [--no-partitions] [--mutant unfenced|overtrust|lost]
+                              [--no-partitions] [--mutant unfenced,overtrust,lost]
 
 It starts its own throwaway PostgreSQL (pgserver's binaries, listening on
 127.0.0.1 only) and a real PgBouncer in transaction mode before it, so that it
@@ -190,13 +190,13 @@ class Worker:
     # -- holds and writes ---------------------------------------------------------------
     def hold(self, name: str, role: str, token: int, remaining: float) -> None:
         now = mono()
-        if self.options.get("mutant") == "overtrust":
+        if "overtrust" in self.options.get("mutant", ()):
             remaining += self.ttl
         self.log(e="hold", name=name, role=role, token=token, t0=now, until=now + remaining)
 
     def trust(self, name: str, token: int, remaining: float) -> bool:
         """Log how long the lease is trusted from now; False once it is not."""
-        if self.options.get("mutant") == "overtrust":
+        if "overtrust" in self.options.get("mutant", ()):
             remaining += self.ttl  # believes the lease lasts a ttl longer than it does
         if remaining <= 0:
             return False
@@ -218,15 +218,15 @@ class Worker:
         wid = self.write_id()
         stmt = update(w).where(w.c.name == name).values(n=w.c.n + 1, write_id=wid)
         token = lease if isinstance(lease, int) else lease.token
-        mutant = self.options.get("mutant")
+        mutant = self.options.get("mutant", ())
         try:
-            if mutant == "lost" and (self.seq == 1 or self.rnd.random() < 0.2):
+            if "lost" in mutant and (self.seq == 1 or self.rnd.random() < 0.2):
                 with self.engine.connect() as conn:
                     self.dblock.fenced_update(conn, stmt, lease)
                     conn.rollback()  # and then says it committed
             else:
                 with self.engine.begin() as conn:
-                    if mutant == "unfenced":  # stamps the token, checks nothing
+                    if "unfenced" in mutant:  # stamps the token, checks nothing
                         conn.execute(stmt.values(fence_token=token))
                     else:
                         self.dblock.fenced_update(conn, stmt, lease)
@@ -1064,6 +1064,18 @@ def last_event(path: Path) -> dict[str, Any] | None:
     return None
 
 
+MUTANTS = ("unfenced", "overtrust", "lost")
+
+
+def mutants(value: str) -> list[str]:
+    """``--mutant``'s value: kinds from MUTANTS, comma-separated."""
+    kinds = [k.strip() for k in value.split(",")]
+    unknown = [k for k in kinds if k not in MUTANTS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"mutants are {', '.join(MUTANTS)}, not {', '.join(unknown) or 'none'}")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     sys.path.insert(0, str(ROOT))  # dblock from this checkout, and tests.netns
@@ -1080,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
         help="no network namespaces (partitions need root and ip netns)",
     )
     parser.add_argument(
-        "--mutant", choices=["unfenced", "overtrust", "lost"],
+        "--mutant", type=mutants, metavar="KIND[,KIND...]",
         help="check the audit itself: the exclusive lock's writers pause past their ttl before some writes, and "
         "write without the fence (unfenced), trust their lease a ttl too long (overtrust), or report writes "
         "they rolled back (lost); the audit must then report violations",
