@@ -3,8 +3,9 @@
 ``pair()`` makes a *server* and a *client* namespace (unique names per run), joined by a
 veth pair with addresses from 10.231.0.0/30 that exist only inside them
 (``SERVER_ADDR`` on the server's end, ``CLIENT_ADDR`` on the client's). ``cut()`` sets the
-server's end down: the client's packets are then dropped without a word (no RST, no ICMP;
-its kernel retransmits, a connect hangs) until ``heal()``. ``argv(ns, [...])`` runs a
+server's end down: the client's packets are then dropped without a word (no RST, no ICMP,
+no failed ARP look-up: each end knows the other's MAC address for good; its kernel
+retransmits, a connect hangs) until ``heal()``. ``argv(ns, [...])`` runs a
 command inside a namespace (``ip netns exec``). ``close()`` (the end of the ``with``
 block) kills every process left in both namespaces and deletes them, which deletes the
 veth pair too.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import pwd
 import secrets
@@ -38,6 +40,7 @@ from typing import Iterator, Sequence
 SERVER_ADDR = "10.231.0.1"
 CLIENT_ADDR = "10.231.0.2"
 PREFIX = "dblock-net"  # every namespace this module makes is named PREFIX-<pid>-<random>-{srv,cli}
+_DIR_PREFIX = "dblock-netpg-"  # and a server's directory _DIR_PREFIX<pid>-<random>
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -86,6 +89,17 @@ class Pair:
     def heal(self) -> None:
         """Let packets through again (connections that survived the cut carry on)."""
         _ip("-n", self.server, "link", "set", self.server_dev, "up")
+        self._pin()  # setting the link down flushed the server's entry
+
+    def _pin(self) -> None:
+        """Each end knows the other's MAC address for good: across a cut, no ARP look-up fails
+        and reports "no route to host" to a connect or a send; packets are only dropped."""
+        for ns, dev, addr, peer_ns, peer_dev in (
+            (self.client, self.client_dev, SERVER_ADDR, self.server, self.server_dev),
+            (self.server, self.server_dev, CLIENT_ADDR, self.client, self.client_dev),
+        ):
+            mac = json.loads(_ip("-j", "-n", peer_ns, "link", "show", "dev", peer_dev).stdout)[0]["address"]
+            _ip("-n", ns, "neigh", "replace", addr, "lladdr", mac, "dev", dev, "nud", "permanent")
 
     def close(self) -> None:
         """Kill what runs in both namespaces and delete them (and the veth pair with them)."""
@@ -123,27 +137,36 @@ def pair() -> Iterator[Pair]:
             _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        made._pin()
         yield made
     finally:
         made.close()
 
 
+def _gone(pid: str) -> bool:
+    """Whether the process ``pid`` (digits from a name this module made) has ended."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, someone else's
+    return False
+
+
 def sweep() -> None:
-    """Delete the namespaces (and kill their processes) of runs whose process is gone."""
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    for line in listed:
+    """Delete the namespaces (killing their processes) and the server directories of runs whose process is gone."""
+    for line in _ip("netns", "list", check=False).stdout.split("\n"):
         name = line.split(" ")[0]
-        if not name.startswith(PREFIX + "-"):
-            continue
-        pid = name[len(PREFIX) + 1 :].split("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if name.startswith(PREFIX + "-") and _gone(name[len(PREFIX) + 1 :].split("-")[0]):
             _remove(name)
-        except PermissionError:
-            pass  # alive, someone else's
+    for parent in {"/dev/shm", tempfile.gettempdir()}:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                if entry.name.startswith(_DIR_PREFIX) and _gone(entry.name[len(_DIR_PREFIX) :].split("-")[0]):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 class Server:
@@ -161,7 +184,7 @@ def _bin() -> Path:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
         pgserver = importlib.import_module("pgserver")
-    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+    return Path(str(pgserver.__file__)).parent / "pginstall" / "bin"
 
 
 def _os_user() -> pwd.struct_passwd:
@@ -181,7 +204,7 @@ def postgresql(net: Pair, *, port: int = 5432, timeout: float = 60.0) -> Iterato
     user = _os_user()
     bin_dir = _bin()
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    directory = Path(tempfile.mkdtemp(prefix="dblock-netpg-", dir=shm))
+    directory = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=shm))
     os.chmod(directory, 0o755)
     os.chown(directory, user.pw_uid, user.pw_gid)
     data = directory / "data"
