@@ -18,6 +18,9 @@ log = logging.getLogger("dblock.migrate")
 DEFAULT_TTL = 30.0
 DEFAULT_OP_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 10
+# At most this long (or op_timeout, if shorter) for close(), or a clean exit, to delete what a
+# Locker's fair waiters wrote (their process's heartbeat row); past it the row lapses by itself.
+QUIT_WITHIN = 2.0
 
 
 def make_schema(engine: Engine, table: str, schema: str | None) -> Migrated:

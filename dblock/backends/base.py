@@ -132,6 +132,7 @@ class QueueStatements:
     share_enqueue: str
     cancel: str
     beat: str
+    quit: str
     waiters: str
 
 
