@@ -863,9 +863,13 @@ async def test_disagreeing_limits_hold_to_the_smallest_live_one(db: Db) -> None:
 
 async def test_renewal_keeps_a_shared_lease_alive_past_its_ttl(db: Db) -> None:
     async with make(db) as locker, make(db) as other:
-        lease = await locker.semaphore("ren", 1).try_acquire(ttl=0.3, renew=True)
+        # 1.5 s: renewed every 0.5 s, it survives a 1 s stall of renewal on a busy machine (a 0.3 s
+        # ttl did not there: a 0.2 s stall lost it).
+        lease = await locker.semaphore("ren", 1).try_acquire(ttl=1.5, renew=True)
         assert lease is not None and lease.shared
-        await asleep(1.2)  # four TTLs
+        granted_expiry = lease.expires_at.timestamp()
+        # Extended once its first ttl had passed: held past the ttl it was granted.
+        await until(lambda: lease.expires_at.timestamp() > granted_expiry + 1.5, "renewal past its ttl")
         assert not lease.lost.is_set() and lease.remaining() > 0
         assert holding(db, "ren") == 1  # its row, by the database's clock
         assert await other.semaphore("ren", 1).try_acquire(ttl=30) is None

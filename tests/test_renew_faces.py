@@ -227,16 +227,24 @@ def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCaptureF
 
 
 def test_the_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db) -> None:
+    # 1.5 s: renewed every 0.5 s, a lease survives a 1 s stall of its renewal (a 0.3 s ttl was lost
+    # on a machine whose cores other jobs kept busy). The block waits on the lease's own expiry,
+    # moved by renewal, not on queries of its own: a query a loop (of the asyncio face's event
+    # loop, or of a fresh connection each time) would hold renewal up meanwhile.
+    ttl = 1.5
     with make(db) as locker:
-        with locker.lock("job", ttl=0.3, timeout=0, renew=True) as lease:
-            until(lambda: held_for(db, "job") > 1.0, "renewal inside the block")
+        with locker.lock("job", ttl=ttl, timeout=0, renew=True) as lease:
+            granted_expiry = lease.expires_at.timestamp()
+            # Extended once its first ttl had passed: the block outlived the ttl it was granted.
+            until(lambda: lease.expires_at.timestamp() > granted_expiry + ttl, "renewal inside the block")
+            assert held_for(db, "job") > 2 * ttl  # by the database's clock too
         assert lease.remaining() == 0 and not lease.lost.is_set()
         again = locker.try_acquire("job")
         assert again is not None
         again.release()
 
         with pytest.raises(LeaseLost):
-            with locker.lock("job2", ttl=0.3, timeout=0, renew=True) as lease:
+            with locker.lock("job2", ttl=ttl, timeout=0, renew=True) as lease:
                 db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL WHERE name = 'job2'")
                 assert event_wait(lease.lost, 10)
 
@@ -360,7 +368,9 @@ def test_shared_and_exclusive_leases_renew_in_statements_of_their_own(db: Db, sh
 def test_a_lease_taken_over_in_a_batch_is_lost_and_the_others_renew_on(db: Db, kind: str, short_linger: None) -> None:
     lost: list[Lease] = []
     with make(db) as locker, make(db) as operator:
-        leases = renewing(locker, kind, 5, 0.6, on_lost=lost.append)
+        # 1.5 s: renewed every 0.5 s, the others survive a 1 s stall of renewal (with 0.6 s, a
+        # 0.4 s stall of a machine whose cores other jobs kept busy lost them too).
+        leases = renewing(locker, kind, 5, 1.5, on_lost=lost.append)
         names = [lease.name for lease in leases]
         extends = Extends(locker)
         until(lambda: extends.together(names), "the five leases to be extended in one statement")

@@ -233,16 +233,24 @@ async def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCa
 
 
 async def test_the_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db) -> None:
+    # 1.5 s: renewed every 0.5 s, a lease survives a 1 s stall of its renewal (a 0.3 s ttl was lost
+    # on a machine whose cores other jobs kept busy). The block waits on the lease's own expiry,
+    # moved by renewal, not on queries of its own: a query a loop (of the asyncio face's event
+    # loop, or of a fresh connection each time) would hold renewal up meanwhile.
+    ttl = 1.5
     async with make(db) as locker:
-        async with locker.lock("job", ttl=0.3, timeout=0, renew=True) as lease:
-            await until(lambda: held_for(db, "job") > 1.0, "renewal inside the block")
+        async with locker.lock("job", ttl=ttl, timeout=0, renew=True) as lease:
+            granted_expiry = lease.expires_at.timestamp()
+            # Extended once its first ttl had passed: the block outlived the ttl it was granted.
+            await until(lambda: lease.expires_at.timestamp() > granted_expiry + ttl, "renewal inside the block")
+            assert held_for(db, "job") > 2 * ttl  # by the database's clock too
         assert lease.remaining() == 0 and not lease.lost.is_set()
         again = await locker.try_acquire("job")
         assert again is not None
         await again.release()
 
         with pytest.raises(LeaseLost):
-            async with locker.lock("job2", ttl=0.3, timeout=0, renew=True) as lease:
+            async with locker.lock("job2", ttl=ttl, timeout=0, renew=True) as lease:
                 db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL WHERE name = 'job2'")
                 assert await aevent_wait(lease.lost, 10)
 
@@ -368,7 +376,9 @@ async def test_shared_and_exclusive_leases_renew_in_statements_of_their_own(db: 
 async def test_a_lease_taken_over_in_a_batch_is_lost_and_the_others_renew_on(db: Db, kind: str, short_linger: None) -> None:
     lost: list[AsyncLease] = []
     async with make(db) as locker, make(db) as operator:
-        leases = await renewing(locker, kind, 5, 0.6, on_lost=lost.append)
+        # 1.5 s: renewed every 0.5 s, the others survive a 1 s stall of renewal (with 0.6 s, a
+        # 0.4 s stall of a machine whose cores other jobs kept busy lost them too).
+        leases = await renewing(locker, kind, 5, 1.5, on_lost=lost.append)
         names = [lease.name for lease in leases]
         extends = Extends(locker)
         await until(lambda: extends.together(names), "the five leases to be extended in one statement")
