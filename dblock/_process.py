@@ -127,7 +127,11 @@ def _run_at_exit() -> None:
     threads = []
     for bound, fn in work:
         thread = threading.Thread(target=_quietly, args=(fn, start + bound), name="dblock-exit", daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:  # Python 3.12.0-3.12.1 start no thread at exit: then here, its connect bounded
+            _quietly(fn, start + bound)
+            continue
         threads.append((thread, start + bound))
     for thread, deadline in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
