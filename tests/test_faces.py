@@ -554,6 +554,7 @@ def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: Any) -> None:
     with make(db) as locker:
         lease = locker.try_acquire("held", ttl=60)
         assert lease is not None
+        expires_at, trusted = lease.expires_at, lease.remaining()
         refused(
             db,
             lambda: locker.try_acquire("x", ttl=ttl),
@@ -562,7 +563,10 @@ def test_g7_bad_ttls_are_refused_and_change_nothing(db: Db, ttl: Any) -> None:
             lambda: lease.extend(ttl=ttl),
             lambda: make(db, ttl=ttl),
         )
-        assert 59 < lease.remaining() <= 60
+        # The lease as it was: neither extended nor ended (its trust only ran on; the checks above
+        # may take seconds on a busy machine, so no bound on how long they took).
+        assert lease.expires_at == expires_at and not lease.lost.is_set()
+        assert 0 < lease.remaining() <= trusted
 
 
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS, ids=repr)
