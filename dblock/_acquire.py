@@ -187,7 +187,7 @@ class Acquirer:
         if not isinstance(outcome, Grant):
             return None, outcome.wait
         granted: Granted | None = Granted(outcome.token, outcome.expires_at, sent_at)
-        if core.needs_refresh(core.trusted_until(sent_at, ttl, self.drift), time.monotonic(), ttl):
+        if self._late(sent_at, ttl):
             granted = self._refresh(name, attempt, ttl, outcome.token, deadline, waiting)  # a slow reply
             if granted is None:
                 return None, None
@@ -289,7 +289,7 @@ class Acquirer:
                         self._outage_said = None  # it ended: the next one is told again
                     if isinstance(outcome, Grant):
                         granted: Granted | None = Granted(outcome.token, outcome.expires_at, sent_at)
-                        if core.needs_refresh(core.trusted_until(sent_at, ttl, self.drift), time.monotonic(), ttl):
+                        if self._late(sent_at, ttl):
                             granted = self._refresh(
                                 name, attempt, ttl, outcome.token, verbs.bound(deadline), waiting=True
                             )
@@ -391,6 +391,12 @@ class Acquirer:
         if core.needs_refresh(trusted, now, ttl):
             return self._refresh(name, attempt, ttl, handed.token, self.verbs.bound(deadline), waiting=True)
         return Granted(handed.token, expires_at, trusted - ttl)  # the lease trusts sent_at + ttl
+
+    def _late(self, sent_at: float, ttl: float) -> bool:
+        """Whether a grant sent at ``sent_at`` came back with less than half its trusted time left
+        (its reply was slow): then it is extended once before use (``_refresh``)."""
+        now = time.monotonic()
+        return core.needs_refresh(core.trusted_until(sent_at, ttl, self.drift), now, core.trust_span(ttl, self.drift))
 
     def _refresh(
         self, name: str, attempt: Try, ttl: float, token: int, deadline: float, waiting: bool

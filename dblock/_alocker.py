@@ -48,7 +48,7 @@ from ._validate import (
     check_blocking, check_limit, check_min_hold, check_name, check_names, check_options, check_owner, check_renew,
     check_timeout, check_trusted, check_ttl,
 )
-from .errors import LockNotAcquired
+from .errors import DBLockError, LockNotAcquired
 from .schema import DEFAULT_TABLE
 
 if TYPE_CHECKING:
@@ -915,14 +915,25 @@ class AsyncLocker:
 
         Background clean-up still running (ending a lease a call could not
         confirm, or a cancelled call may have been granted) gets ``op_timeout``
-        to finish first.
+        to finish first. On PostgreSQL, the row its fair waiters kept alive in
+        the queue's table of processes is deleted (within 2 s, or ``op_timeout``
+        if shorter; when the database does not answer, the row lapses by itself).
+        A Locker never closed has it deleted at the process's clean exit, within
+        the same bound.
         """
         await self._cleanup.close(self.op_timeout)
         await self._renewer.aclose(self.op_timeout)
         if self._listener is not None:
             await self._listener.close()
         if self._heartbeat is not None:
-            await self._heartbeat.close()
+            # What its fair waiters wrote goes with it (their process's heartbeat row), within a
+            # bound: when the database does not answer, the row lapses by itself as a crash's does.
+            deadline = time.monotonic() + self._verbs.quit_within()
+            await self._heartbeat.close(deadline)
+            try:
+                await self._verbs.quit(deadline)
+            except DBLockError as exc:
+                log.info("could not delete this process's row of waiters (%s); it lapses by itself", exc)
         await self._driver.close()
         if self._own_engine:  # made by dblock (a URL, or another driver's engine): nothing of the caller's
             self.engine.dispose()

@@ -261,9 +261,10 @@ def handed_trust(sent: float, at: float, expires_at: float, now: float, ttl: flo
     return min(sent + span - drift.rate * (span - ttl), now + ttl)
 
 
-def needs_refresh(trusted: float, now: float, ttl: float) -> bool:
-    """A handed lease with less than half its ttl of trust left is extended once before use."""
-    return trusted - now < ttl / 2
+def needs_refresh(trusted: float, now: float, span: float) -> bool:
+    """A lease granted or handed with less than half of ``span`` (its ttl, or its trusted time)
+    of trust left is extended once before use."""
+    return trusted - now < span / 2
 
 
 def until_due(ttl: float, remaining: float, drift: Drift) -> float:

@@ -22,6 +22,10 @@ DEFAULT_MAX_CONNECTIONS = 10
 # The clock allowance taken off every lease's trust: Redlock's, 1% of the ttl plus 2 ms.
 DEFAULT_DRIFT, DEFAULT_DRIFT_FIXED = DRIFT
 
+# At most this long (or op_timeout, if shorter) for close(), or a clean exit, to delete what a
+# Locker's fair waiters wrote (their process's heartbeat row); past it the row lapses by itself.
+QUIT_WITHIN = 2.0
+
 
 def make_schema(engine: Engine, table: str, schema: str | None) -> Migrated:
     """``create_schema`` of both faces: dblock's migrations, and what the database needs first (WAL on SQLite)."""

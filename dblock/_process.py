@@ -7,11 +7,14 @@ another process (another pid, and its waiters need a heartbeat of their own).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import secrets
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -87,3 +90,58 @@ def default_label() -> PerProcess[str]:
 def queue_id() -> PerProcess[str]:
     """This process's liveness id in the fair queue (its heartbeat row)."""
     return PerProcess(lambda: secrets.token_hex(8))
+
+
+# -- what a clean exit tidies up ---------------------------------------------------------
+# Work left for this process's clean exit (a Locker's heartbeat row in the fair queue, when
+# the Locker was never closed): each piece gets ``bound`` seconds, run together on daemon
+# threads, so a server that does not answer holds the exit up by at most the longest bound.
+# Its owner withdraws a piece it did itself (close()); a fork's child runs none of its
+# parent's (each piece names the pid that registered it).
+_exit_work: dict[int, tuple[int, float, Callable[[float], None]]] = {}
+_exit_lock = threading.Lock()
+_exit_count = itertools.count()
+
+
+def at_exit(bound: float, work: Callable[[float], None]) -> int:
+    """Run ``work(deadline)`` at this process's clean exit, for at most ``bound`` seconds;
+    the handle withdraws it (``done_at_exit``)."""
+    handle = next(_exit_count)
+    with _exit_lock:
+        _exit_work[handle] = (pid, bound, work)
+    return handle
+
+
+def done_at_exit(handle: int) -> None:
+    with _exit_lock:
+        _exit_work.pop(handle, None)
+
+
+def _run_at_exit() -> None:
+    with _exit_lock:
+        work = [(bound, fn) for owner, bound, fn in _exit_work.values() if owner == pid]
+        _exit_work.clear()
+    if not work:
+        return
+    start = time.monotonic()
+    threads = []
+    for bound, fn in work:
+        thread = threading.Thread(target=_quietly, args=(fn, start + bound), name="dblock-exit", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # Python 3.12.0-3.12.1 start no thread at exit: then here, its connect bounded
+            _quietly(fn, start + bound)
+            continue
+        threads.append((thread, start + bound))
+    for thread, deadline in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _quietly(fn: Callable[[float], None], deadline: float) -> None:
+    try:
+        fn(deadline)
+    except Exception:  # noqa: BLE001 - best effort: what it would have removed lapses by itself
+        pass
+
+
+atexit.register(_run_at_exit)

@@ -14,17 +14,30 @@ No waiting, no threads or tasks, no lease objects: the faces build on these.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from . import _core as core
+from . import _process as process
 from ._core import Ended, Extended, Grant, Miss, Queued
+from ._defaults import QUIT_WITHIN
 from ._lease_state import LeaseInfo
 
 if TYPE_CHECKING:
     from ._driver import Driver
     from .backends import Backend
+
+
+def quit_now(backend: Backend, proc: str, deadline: float) -> None:
+    """At a clean exit: delete heartbeat row ``proc`` on a connection of its own (the Locker's
+    pool may be gone with its event loop); the caller bounds the time (``_process.at_exit``)."""
+    raw = backend.connect(deadline)
+    try:
+        backend.execute(backend.cursor(raw), backend.queue.quit, {"proc": proc})
+    finally:
+        raw.close()
 
 
 class Verbs:
@@ -47,6 +60,10 @@ class Verbs:
         self._proc = proc  # this process's liveness id in the fair queue
         self._lapse = lapse  # seconds a heartbeat keeps this process's waiters alive
         self._cut = backend.caps.cut_statements
+        # (pid, at-exit handle) once this process sent a statement that writes its heartbeat row
+        # (a fair waiter's look, or a beat): close(), or else a clean exit, deletes the row.
+        self._wrote: tuple[int, int] | None = None
+        self._wrote_lock = threading.Lock()
 
     # -- deadlines -------------------------------------------------------------
     def deadline(self) -> float:
@@ -103,6 +120,8 @@ class Verbs:
     ) -> tuple[Grant | Queued | None, float]:
         """One look of a fair waiter: granted, or its place in line (None: look again); and when it was sent."""
         queue = self.backend.queue
+        if self._wrote is None or self._wrote[0] != process.pid:
+            self._writes_row()
         result = self.driver.run(
             queue.share_enqueue if core.shared_kind(limit) else queue.enqueue,
             {
@@ -129,7 +148,35 @@ class Verbs:
     def beat(self) -> None:
         """This process's fair waiters are alive for ``lapse`` more seconds."""
         binds = {"proc": self._proc(), "lapse": self._lapse}
+        if self._wrote is None or self._wrote[0] != process.pid:
+            self._writes_row()
         self.driver.run(self.backend.queue.beat, binds, deadline=self.deadline())
+
+    def _writes_row(self) -> None:
+        """This process is about to write its heartbeat row: have a clean exit delete it, unless
+        ``quit`` does first. Before the statement is sent, as it may write though its reply is lost."""
+        with self._wrote_lock:
+            if self._wrote is not None and self._wrote[0] == process.pid:
+                return
+            backend, proc = self.backend, self._proc()
+            handle = process.at_exit(self.quit_within(), lambda deadline: quit_now(backend, proc, deadline))
+            self._wrote = (process.pid, handle)
+
+    def quit_within(self) -> float:
+        """How long ``quit`` (close) or a clean exit may take to delete the heartbeat row."""
+        return min(self.op_timeout, QUIT_WITHIN)
+
+    def quit(self, deadline: float) -> bool:
+        """Delete this process's heartbeat row, if it wrote one (a Locker's close): True if it was
+        sent. Withdraws the at-exit deletion either way: a row that could not be deleted by
+        ``deadline`` lapses, and nothing deletes another process's row (a fork's child has its own)."""
+        with self._wrote_lock:
+            wrote, self._wrote = self._wrote, None
+        if wrote is None or wrote[0] != process.pid:
+            return False
+        process.done_at_exit(wrote[1])
+        self.driver.run(self.backend.queue.quit, {"proc": self._proc()}, deadline=deadline)
+        return True
 
     # -- a lease's verbs -------------------------------------------------------
     # ``shared``: a reader's or semaphore holder's lease, whose verbs are the shared statements.

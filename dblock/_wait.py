@@ -44,7 +44,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import _process as process
-from ._acompat import Event, Mutex, Worker, event_wait, sleep, spawn, stop, running, shutdown_socket
+from ._acompat import Event, Mutex, Worker, event_wait, join, sleep, spawn, stop, running, shutdown_socket
 from ._faults import OutOfTime
 from .errors import Misconfigured
 
@@ -363,6 +363,8 @@ class Heartbeat:
         self._lock = Mutex()
         self._waiting = 0
         self._worker: Worker | None = None
+        self._beating = False  # a beat is on its way to the database
+        self._closed = False
         self._pid = process.pid
 
     def enter(self) -> None:
@@ -370,7 +372,7 @@ class Heartbeat:
             self._reset()  # the parent's worker did not survive the fork
         with self._lock:
             self._waiting += 1
-            if self._worker is None:
+            if self._worker is None and not self._closed:
                 self._worker = spawn(self._run, name="dblock-heartbeat")
 
     def leave(self) -> None:
@@ -383,9 +385,12 @@ class Heartbeat:
         while True:
             sleep(self._interval)
             with self._lock:
+                if self._closed:
+                    return
                 if self._waiting <= 0:
                     self._worker = None
                     return
+                self._beating = True
             try:
                 self._beat()
                 said = None
@@ -393,11 +398,25 @@ class Heartbeat:
                 level = logging.DEBUG if str(exc) == said else logging.INFO
                 said = str(exc)
                 log.log(level, "could not refresh this process's waiters (%s); retrying", said)
+            finally:
+                with self._lock:
+                    self._beating = False
+                    closed = self._closed
+            if closed:
+                return  # close() may be waiting for this beat to land before it deletes the row
 
-    def close(self) -> None:
-        """Stop beating now (the worker would end by itself an interval after the last waiter)."""
+    def close(self, deadline: float) -> None:
+        """Stop beating now (the worker would end by itself an interval after the last waiter).
+
+        A beat on its way is given until ``deadline`` to land first, so it cannot write the
+        row again after close() deleted it.
+        """
         with self._lock:
+            self._closed = True
             worker, self._worker = self._worker, None
+            beating = self._beating and self._pid == process.pid
+        if beating:
+            join(worker, max(0.0, deadline - time.monotonic()))
         stop(worker, 0)
 
 

@@ -241,9 +241,9 @@ def test_handed_trust_edges() -> None:
 
 
 def test_a_handed_lease_with_less_than_half_its_ttl_left_is_refreshed_first() -> None:
-    assert core.needs_refresh(trusted=114.9, now=100.0, ttl=30.0)
-    assert not core.needs_refresh(trusted=115.0, now=100.0, ttl=30.0)
-    assert core.needs_refresh(trusted=90.0, now=100.0, ttl=30.0)  # already past its trust
+    assert core.needs_refresh(trusted=114.9, now=100.0, span=30.0)
+    assert not core.needs_refresh(trusted=115.0, now=100.0, span=30.0)
+    assert core.needs_refresh(trusted=90.0, now=100.0, span=30.0)  # already past its trust
 
 
 # -- renewal ------------------------------------------------------------------------

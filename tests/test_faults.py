@@ -102,14 +102,20 @@ def test_every_other_call_against_a_silent_server_raises_within_op_timeout(silen
 
 def test_dblock_run_against_a_silent_server_exits_within_its_wait(silent: SilentServer) -> None:
     env = {**os.environ, "DBLOCK_URL": silent.url}
-    started = time.monotonic()
+    # `python -m dblock`, timed from once its modules are imported: the bound is the command's,
+    # and an interpreter's start-up takes seconds of its own on a busy machine.
+    timed = (
+        "import atexit, runpy, sys, time; import dblock.cli; start = time.monotonic(); "
+        "atexit.register(lambda: print(f'took {time.monotonic() - start:.3f}', file=sys.stderr)); "
+        "sys.argv[0] = 'dblock'; runpy.run_module('dblock', run_name='__main__', alter_sys=True)"
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "dblock", "run", "job", "--wait", "2", "--", "true"],
+        [sys.executable, "-c", timed, "run", "job", "--wait", "2", "--", "true"],
         env=env, capture_output=True, text=True, timeout=120,
     )
-    took = time.monotonic() - started
     assert out.returncode == 69, out.stderr
-    assert took <= 2 + 2.5 + SLACK + 2, f"dblock run --wait 2 took {took:.1f} s"  # + 2: interpreter start-up
+    took = float(out.stderr.rsplit("took ", 1)[1])
+    assert took <= 2 + 2.5 + SLACK, f"dblock run --wait 2 took {took:.1f} s"
 
 
 # -- a frozen server (SIGSTOP) -------------------------------------------------------
@@ -276,6 +282,14 @@ def test_200_waiters_in_4_processes_on_a_100_connection_server(pg: Db) -> None:
                 "SELECT application_name, count(*) FROM pg_stat_activity GROUP BY application_name"
             ):
                 peak[app] = max(peak.get(app, 0), count)
+            # Listeners share one application_name with every other dblock's on the server (another
+            # test's, or another suite's when the server is shared): these processes' are the
+            # sessions their waiters' entries name.
+            [(listeners,)] = pg.query(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'dblock listener'"
+                f" AND pid IN (SELECT pid FROM {pg.table}_waiters)"
+            )
+            peak["ours listening"] = max(peak.get("ours listening", 0), listeners)
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample)
@@ -304,8 +318,8 @@ def test_200_waiters_in_4_processes_on_a_100_connection_server(pg: Db) -> None:
     # The pool's own count, sampled in each process; the server's view of a Locker may briefly
     # show one more while a cut-off statement's session winds down after its connection closed.
     assert all(0 < r["peak"] <= 10 for r in reports), [r["peak"] for r in reports]
-    assert peak.get("dblock listener", 0) <= 4, peak
-    assert sum(peak.get(f"w{i}", 0) for i in range(4)) + peak.get("dblock listener", 0) < int(limit), peak
+    assert 0 < peak["ours listening"] <= 4, peak
+    assert sum(peak.get(f"w{i}", 0) for i in range(4)) + peak["ours listening"] < int(limit), peak
 
 
 def test_a_handed_lease_that_cannot_be_confirmed_is_not_leaked(pg: Db) -> None:

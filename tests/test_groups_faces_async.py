@@ -14,7 +14,7 @@ from dblock import AsyncLeaseGroup, LeaseLost, LockNotAcquired
 from dblock._acompat import ajoin, asleep, aspawn, running
 
 from .conftest import ALL_BACKENDS, Db
-from .test_faces_async import held, make
+from .test_faces_async import held, make, until
 from .test_waiting_faces_async import count_statements
 
 BACKENDS = ALL_BACKENDS
@@ -105,8 +105,16 @@ async def test_a_lease_lost_inside_lock_all_is_reported_at_its_end_and_the_rest_
 
 async def test_renewal_keeps_every_lease_of_the_group(db: Db) -> None:
     async with make(db) as locker, make(db) as other:
-        group = await locker.acquire_all(NAMES, ttl=0.6, timeout=5, renew=True)
-        await asleep(1.5)  # well past the ttl: only renewal keeps them
+        # 1.5 s: renewed every 0.5 s, they survive a 1 s stall of renewal on a busy machine (a
+        # 0.6 s ttl leaves 0.4 s, which such a machine took).
+        ttl = 1.5
+        group = await locker.acquire_all(NAMES, ttl=ttl, timeout=5, renew=True)
+        marks = {name: lease.expires_at.timestamp() for name, lease in group.leases.items()}
+        # Each renewed more than a ttl on: its first expiry passed, and only renewal kept it.
+        await until(
+            lambda: all(lease.expires_at.timestamp() > marks[name] + ttl for name, lease in group.leases.items()),
+            "renewal of every lease past its first ttl",
+        )
         for name in NAMES:
             assert await other.try_acquire(name, ttl=30) is None
         assert not group.lost

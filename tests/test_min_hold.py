@@ -75,12 +75,15 @@ def test_a_with_block_and_a_decorated_function_keep_the_lease_for_the_hold(db: D
 
 def test_renewal_stops_at_a_held_release(db: Db) -> None:
     locker = db.locker()
-    lease = locker.acquire("renewed", ttl=0.3, renew=True, min_hold=5)
-    time.sleep(0.35)  # extended every 0.1 s meanwhile
+    # 1.5 s: renewed every 0.5 s, it survives a 1 s stall of renewal on a busy machine (a 0.3 s
+    # ttl leaves 0.2 s).
+    lease = locker.acquire("renewed", ttl=1.5, renew=True, min_hold=5)
+    granted = lease.expires_at
+    wait_for(lambda: lease.expires_at > granted, what="renewal to extend it")
     assert lease.release() is True
     kept = row(db, "renewed")
     assert span(kept[2], kept[3]) == pytest.approx(5, abs=1e-3)
-    time.sleep(0.4)  # renewal, were it running, would have extended it again by now
+    time.sleep(1.0)  # renewal, were it running, would have extended it again by now (every 0.5 s)
     assert row(db, "renewed") == kept
     assert locker.keeper.renewer.renewing() == 0
 

@@ -212,7 +212,8 @@ def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCaptureF
 
     with make(db) as locker:
         lease = locker.try_acquire("job", ttl=0.3, renew=True, on_lost=boom)
-        other = locker.try_acquire("other", ttl=1.0, renew=True)  # 1 s: renewal may stall 0.6 s on a busy machine
+        # 2 s: a MariaDB on a machine whose cores other jobs kept busy took a renewal round past 0.67 s.
+        other = locker.try_acquire("other", ttl=2.0, renew=True)
         assert lease is not None and other is not None
         with caplog.at_level(logging.ERROR, logger="dblock.renew"):
             db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL WHERE name = 'job'")  # an operator
@@ -221,22 +222,30 @@ def test_on_lost_errors_are_logged_not_raised(db: Db, caplog: pytest.LogCaptureF
                         "the callback's error in the log")
         # Renewal goes on for the Locker's other leases.
         assert running(locker._renewer._scheduler) and locker._renewer.renewing() == 1
-        until(lambda: held_for(db, "other") > 0.9, "the other lease to renew on")
+        until(lambda: held_for(db, "other") > 2.5, "the other lease to renew on")  # extended since its grant
         assert not other.lost.is_set()
         assert other.release() is True
 
 
 def test_the_lock_block_with_renewal_outlives_its_ttl_and_reports_a_loss(db: Db) -> None:
+    # 1.5 s: renewed every 0.5 s, a lease survives a 1 s stall of its renewal (a 0.3 s ttl was lost
+    # on a machine whose cores other jobs kept busy). The block waits on the lease's own expiry,
+    # moved by renewal, not on queries of its own: a query a loop (of the asyncio face's event
+    # loop, or of a fresh connection each time) would hold renewal up meanwhile.
+    ttl = 1.5
     with make(db) as locker:
-        with locker.lock("job", ttl=0.3, timeout=0, renew=True) as lease:
-            until(lambda: held_for(db, "job") > 1.0, "renewal inside the block")
+        with locker.lock("job", ttl=ttl, timeout=0, renew=True) as lease:
+            granted_expiry = lease.expires_at.timestamp()
+            # Extended once its first ttl had passed: the block outlived the ttl it was granted.
+            until(lambda: lease.expires_at.timestamp() > granted_expiry + ttl, "renewal inside the block")
+            assert held_for(db, "job") > 2 * ttl  # by the database's clock too
         assert lease.remaining() == 0 and not lease.lost.is_set()
         again = locker.try_acquire("job")
         assert again is not None
         again.release()
 
         with pytest.raises(LeaseLost):
-            with locker.lock("job2", ttl=0.3, timeout=0, renew=True) as lease:
+            with locker.lock("job2", ttl=ttl, timeout=0, renew=True) as lease:
                 db.query(f"UPDATE {db.table} SET owner = NULL, expires_at = NULL WHERE name = 'job2'")
                 assert event_wait(lease.lost, 10)
 
@@ -291,9 +300,13 @@ def test_on_expiring_warns_again_only_after_an_extend_restored_the_lease(pg: Db)
 def test_no_warning_while_renewal_keeps_up(db: Db) -> None:
     warned: list[Lease] = []
     with make(db) as locker:
-        # 1.2 s: the warning's margin (a third) leaves a renewal 0.4 s to be late on a busy machine.
-        lease = locker.acquire("job", ttl=1.2, renew=True, on_expiring=warned.append)
-        until(lambda: held_for(db, "job") > 2.4, "renewal through a few ttls")
+        # 3 s: the warning's margin (a third) leaves a renewal 1 s to be late on a busy machine (with
+        # 1.2 s, a MariaDB whose machine other jobs kept busy was 0.4 s late). The wait is on the
+        # lease's own expiry, moved on by renewal past its first ttl: no queries of the test's own.
+        ttl = 3.0
+        lease = locker.acquire("job", ttl=ttl, renew=True, on_expiring=warned.append)
+        granted_expiry = lease.expires_at.timestamp()
+        until(lambda: lease.expires_at.timestamp() > granted_expiry + ttl, "renewal past its first ttl")
         assert warned == [] and not lease.lost.is_set()
         assert lease.release() is True
 
@@ -304,7 +317,7 @@ N = 50
 
 def test_many_leases_renew_in_about_one_statement_a_round(db: Db, short_linger: None) -> None:
     """50 renewing leases of one Locker: about one extend a round, not one per lease (nor a worker each)."""
-    ttl = 0.9  # a round every 0.3 s
+    ttl = 1.5  # a round every 0.5 s; a round may be 1 s late on a busy machine
     proxy = PgProxy(db.url) if db.backend == "postgresql" else None  # round trips on the wire
     try:
         with Locker(db.url if proxy is None else proxy.url, table=db.table) as locker:
@@ -360,7 +373,9 @@ def test_shared_and_exclusive_leases_renew_in_statements_of_their_own(db: Db, sh
 def test_a_lease_taken_over_in_a_batch_is_lost_and_the_others_renew_on(db: Db, kind: str, short_linger: None) -> None:
     lost: list[Lease] = []
     with make(db) as locker, make(db) as operator:
-        leases = renewing(locker, kind, 5, 0.6, on_lost=lost.append)
+        # 1.5 s: renewed every 0.5 s, the others survive a 1 s stall of renewal (with 0.6 s, a
+        # 0.4 s stall of a machine whose cores other jobs kept busy lost them too).
+        leases = renewing(locker, kind, 5, 1.5, on_lost=lost.append)
         names = [lease.name for lease in leases]
         extends = Extends(locker)
         until(lambda: extends.together(names), "the five leases to be extended in one statement")

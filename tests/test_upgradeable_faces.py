@@ -16,7 +16,7 @@ from dblock import UpgradeableLease, LeaseLost, LockNotAcquired
 from dblock._acompat import Mutex, join, sleep, spawn, running
 
 from .conftest import ALL_BACKENDS, Db
-from .test_faces import held, make
+from .test_faces import held, make, until
 from .test_waiting_faces import count_statements
 
 BACKENDS = ALL_BACKENDS
@@ -86,14 +86,20 @@ def test_an_upgrade_that_times_out_stays_the_upgradeable_read_and_lets_readers_i
 
 def test_renewal_follows_the_lease_through_upgrade_and_downgrade(db: Db) -> None:
     with make(db) as locker, make(db) as other:
-        with locker.upgradeable_lock("catalog", ttl=0.3, renew=True) as lease:
+        # 1.5 s: renewed every 0.5 s, it survives a 1 s stall of renewal on a busy machine (a 0.3 s
+        # ttl leaves 0.2 s). Each step waits until renewal moved the expiry more than a ttl on: by
+        # then the expiry it had would have passed, and only renewal kept it.
+        ttl = 1.5
+        with locker.upgradeable_lock("catalog", ttl=ttl, renew=True) as lease:
             lease.upgrade(timeout=5)
             assert lease.renewing
-            sleep(0.7)  # more than two ttls: only renewal keeps it
+            mark = lease.expires_at.timestamp()
+            until(lambda: lease.expires_at.timestamp() > mark + ttl, "renewal of the write lease")
             assert not lease.lost.is_set() and other.try_acquire("catalog", ttl=30) is None
             lease.downgrade()
             assert lease.renewing
-            sleep(0.7)
+            mark = lease.expires_at.timestamp()
+            until(lambda: lease.expires_at.timestamp() > mark + ttl, "renewal of the read lease")
             assert not lease.lost.is_set() and other.try_acquire("catalog", ttl=30) is None
             assert other.upgradeable("catalog").try_acquire(ttl=30) is None
 

@@ -14,7 +14,7 @@ from dblock import AsyncUpgradeableLease, LeaseLost, LockNotAcquired
 from dblock._acompat import AMutex, ajoin, asleep, aspawn, running
 
 from .conftest import ALL_BACKENDS, Db
-from .test_faces_async import held, make
+from .test_faces_async import held, make, until
 from .test_waiting_faces_async import count_statements
 
 BACKENDS = ALL_BACKENDS
@@ -87,14 +87,20 @@ async def test_an_upgrade_that_times_out_stays_the_upgradeable_read_and_lets_rea
 
 async def test_renewal_follows_the_lease_through_upgrade_and_downgrade(db: Db) -> None:
     async with make(db) as locker, make(db) as other:
-        async with locker.upgradeable_lock("catalog", ttl=0.3, renew=True) as lease:
+        # 1.5 s: renewed every 0.5 s, it survives a 1 s stall of renewal on a busy machine (a 0.3 s
+        # ttl leaves 0.2 s). Each step waits until renewal moved the expiry more than a ttl on: by
+        # then the expiry it had would have passed, and only renewal kept it.
+        ttl = 1.5
+        async with locker.upgradeable_lock("catalog", ttl=ttl, renew=True) as lease:
             await lease.upgrade(timeout=5)
             assert lease.renewing
-            await asleep(0.7)  # more than two ttls: only renewal keeps it
+            mark = lease.expires_at.timestamp()
+            await until(lambda: lease.expires_at.timestamp() > mark + ttl, "renewal of the write lease")
             assert not lease.lost.is_set() and await other.try_acquire("catalog", ttl=30) is None
             await lease.downgrade()
             assert lease.renewing
-            await asleep(0.7)
+            mark = lease.expires_at.timestamp()
+            await until(lambda: lease.expires_at.timestamp() > mark + ttl, "renewal of the read lease")
             assert not lease.lost.is_set() and await other.try_acquire("catalog", ttl=30) is None
             assert await other.upgradeable("catalog").try_acquire(ttl=30) is None
 

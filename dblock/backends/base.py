@@ -133,6 +133,7 @@ class QueueStatements:
     share_enqueue: str
     cancel: str
     beat: str
+    quit: str
     waiters: str
 
 

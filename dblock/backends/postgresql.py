@@ -108,7 +108,8 @@ class PostgreSQL(Backend):
         )
         return QueueStatements(
             enqueue=exclusive["enqueue"], share_enqueue=_share_enqueue(names.share_enqueue),
-            cancel=exclusive["cancel"], beat=exclusive["beat"], waiters=exclusive["waiters"],
+            cancel=exclusive["cancel"], beat=exclusive["beat"], quit=exclusive["quit"],
+            waiters=exclusive["waiters"],
         )
 
     # -- rows into outcomes ----------------------------------------------------
@@ -927,6 +928,11 @@ WITH b AS (
     RETURNING id
 )
 SELECT set_config('synchronous_commit', 'off', true) FROM b"""
+    # quit (a Locker's close, or its process's clean exit: its heartbeat row goes)
+    # binds: proc. Deletes that one row (ids are random per Locker and process, so
+    #   never another live process's); a waiter of it still in line is dead at once,
+    #   as when the row lapses. Zero rows: there was none (never waited, or pruned).
+    quit = f"DELETE FROM {procs} WHERE id = %(proc)s"
     # waiters (operators: dblock status)
     # binds: none
     # returns a row per name with live waiters: name, count. Live as the hand-off
@@ -953,7 +959,7 @@ FROM r"""
     return dict(
         acquire=acquire, release=release, release_held=release_held, released=released, extend=extend,
         extend_many=extend_many, prune=prune, prune_lock=prune_lock, enqueue=enqueue, cancel=cancel,
-        beat=beat, waiters=waiters, relabel=relabel,
+        beat=beat, quit=quit, waiters=waiters, relabel=relabel,
     )
 
 
