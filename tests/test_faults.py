@@ -100,6 +100,16 @@ def test_every_other_call_against_a_silent_server_raises_within_op_timeout(silen
     locker.close()
 
 
+def test_a_connect_keeps_to_an_op_timeout_of_a_fraction_of_seconds(silent: SilentServer) -> None:
+    """libpq counts a connect's time in whole seconds: 3.5 s of op_timeout gives the connect
+    3 s, not 4, so the call ends within op_timeout + 0.25 s (rounded up it took 4.0 s)."""
+    locker = Locker(silent.url, op_timeout=3.5)
+    took, exc, _ = timed(lambda: locker.try_acquire("x"))
+    assert isinstance(exc, DatabaseUnavailable), exc
+    assert took <= 3.5 + 0.25, f"try_acquire took {took:.2f} s against a silent server (op_timeout=3.5)"
+    locker.close()
+
+
 def test_dblock_run_against_a_silent_server_exits_within_its_wait(silent: SilentServer) -> None:
     env = {**os.environ, "DBLOCK_URL": silent.url}
     # `python -m dblock`, timed from once its modules are imported: the bound is the command's,

@@ -540,7 +540,9 @@ def connect_plan(attempts: list[dict[str, Any]], deadline: float, where: str) ->
                 raise OutOfTime(f"no time left to connect to {where}")
             return
         share = left / (len(attempts) - i)
-        yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.ceil(share))}
+        # Whole seconds, rounded down so the connect ends within its share (psycopg, as libpq,
+        # reads connect_timeout as whole seconds), and never under libpq's least, 2 s.
+        yield {**attempt, "connect_timeout": max(MIN_CONNECT_TIMEOUT, math.floor(share))}
 
 
 def connect_failed(where: str, failed: list[psycopg.Error], hosts: int, reached: bool = False) -> DBLockError:
