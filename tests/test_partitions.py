@@ -352,8 +352,10 @@ def test_a_lease_granted_over_a_connect_that_spans_the_heal_is_trusted_for_most_
 # -- a fair waiter cut off -----------------------------------------------------------------
 
 
-def test_a_fair_waiter_cut_off_is_passed_over_and_does_not_come_back_with_a_lease_it_cannot_trust(part: Partition) -> None:
-    ttl = 3.0
+def queued_behind_a_holder(part: Partition, ttl: float) -> tuple[Locker, Any, Any, float]:
+    """A Locker holding "fair" for 60 s, and the cut-off side's worker in its fair queue for a
+    lease of ``ttl`` (returned once the database counts it in line), and the 30 s deadline the
+    test's own waits keep to, counted from before the worker queued."""
     holder_locker = part.locker()
     holder = holder_locker.try_acquire("fair", ttl=60)
     assert holder is not None
@@ -363,6 +365,12 @@ def test_a_fair_waiter_cut_off_is_passed_over_and_does_not_come_back_with_a_leas
     while holder_locker.waiters().get("fair", 0) < 1:
         assert time.monotonic() < deadline, "the worker did not queue"
         time.sleep(0.02)
+    return holder_locker, holder, waiter, deadline
+
+
+def test_a_fair_waiter_cut_off_is_passed_over_and_does_not_come_back_with_a_lease_it_cannot_trust(part: Partition) -> None:
+    ttl = 3.0
+    holder_locker, holder, waiter, deadline = queued_behind_a_holder(part, ttl)
     # The next waiter, in the test process (its heartbeats go through the Unix socket).
     second = part.locker(poll_max=POLL_MAX)
     granted: list[tuple[Any, float]] = []  # the lease, and when the acquire returned
@@ -433,15 +441,7 @@ def test_a_fair_waiter_handed_the_lease_while_cut_off_comes_back_with_trust_or_w
     healed after the lease ran out and went to the next waiter, it must not come back with
     it: it waits on and gets a lease of its own, trusted for most of its ttl."""
     ttl = 3.0
-    holder_locker = part.locker()
-    holder = holder_locker.try_acquire("fair", ttl=60)
-    assert holder is not None
-    waiter = part.worker(op_timeout=OP_TIMEOUT, poll_max=POLL_MAX)
-    waiter.send("wait", name="fair", ttl=ttl, timeout=120)
-    deadline = time.monotonic() + 30
-    while holder_locker.waiters().get("fair", 0) < 1:
-        assert time.monotonic() < deadline, "the worker did not queue"
-        time.sleep(0.02)
+    holder_locker, holder, waiter, deadline = queued_behind_a_holder(part, ttl)
     second = part.locker(poll_max=POLL_MAX)
     granted: queue.Queue[Any] = queue.Queue()
 
